@@ -1,0 +1,196 @@
+"""End-to-end model benchmarks: forward, backward, forward+backward and a full AdamW training step.
+
+The grid comes from the command line (conftest.py): --presets, --contexts, --precisions,
+--compile-contexts, --batch-size, --attention, --warmup-steps, --rounds. Each point's
+extra_info holds the parameter count, tokens/s, TFLOP/s, MFU (on a GPU with a known peak) and
+peak memory; a point that runs out of GPU memory is recorded as such and the run goes on.
+"""
+
+from __future__ import annotations
+
+import gc
+import pathlib
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from systems.accounting import forward_flops
+from systems.benchmarking import record_throughput, time_on_device
+from systems.model import TransformerLM, get_config
+from systems.optim import AdamW
+from systems.train import backward, forward_loss, random_batch, train_step
+
+PHASES = ("forward", "backward", "forward_backward", "step")
+# FLOPs of each phase in units of one forward pass: backward does twice the forward's matmuls.
+PHASE_FLOPS = {"forward": 1, "backward": 2, "forward_backward": 3, "step": 3}
+WARMUP_STUDY = (0, 1, 2, 5)
+
+
+@dataclass(frozen=True)
+class ModelPoint:
+    preset: str
+    context: int
+    precision: str
+    compiled: bool
+
+    def __str__(self) -> str:
+        return f"{self.preset}-ctx{self.context}-{self.precision}-{'compiled' if self.compiled else 'eager'}"
+
+
+def model_grid(config) -> list[ModelPoint]:
+    """Presets outermost so each model is built once; compiled points after the eager ones."""
+    opt = config.getoption
+    points = []
+    for preset in opt("presets"):
+        for compiled, contexts in ((False, opt("contexts")), (True, opt("compile_contexts"))):
+            for precision in opt("precisions"):
+                points += [ModelPoint(preset, context, precision, compiled) for context in contexts]
+    return points
+
+
+def pytest_generate_tests(metafunc):
+    if "point" in metafunc.fixturenames:
+        metafunc.parametrize("point", model_grid(metafunc.config), ids=str)
+    if "phase" in metafunc.fixturenames:
+        metafunc.parametrize("phase", PHASES)
+
+
+class ModelCache:
+    """Holds one model at a time: the largest presets only fit on the GPU alone."""
+
+    def __init__(self, device: torch.device, attention: str, context_length: int):
+        self.device, self.attention, self.context_length = device, attention, context_length
+        self.key, self.model = None, None
+
+    def get(self, preset: str, compiled: bool) -> TransformerLM:
+        if (preset, compiled) != self.key:
+            self.key, self.model = None, None
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch._dynamo.reset()
+            self.model = build_model(preset, compiled, self.device, self.attention, self.context_length)
+            self.key = (preset, compiled)
+        return self.model
+
+
+def build_model(preset, compiled, device, attention, context_length) -> TransformerLM:
+    config = get_config(preset, attention=attention, context_length=context_length)
+    with torch.device(device):
+        model = TransformerLM(config)
+    if compiled:
+        # Block by block: identical blocks share one compiled graph, so compile time does not
+        # grow with depth; the final norm and LM head stay eager.
+        for block in model.blocks:
+            block.compile(dynamic=False)
+    return model
+
+
+@pytest.fixture(scope="module")
+def models(request, device):
+    opt = request.config.getoption
+    longest = max(opt("contexts") + opt("compile_contexts"))
+    cache = ModelCache(device, opt("attention"), longest)
+    yield cache
+    cache.model = None
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def run_phase(benchmark, model, phase, point, device, request) -> float:
+    """Time one phase of a training step and return the median seconds per call."""
+    batch_size = request.config.getoption("batch_size")
+    tokens, targets = random_batch(model.config, batch_size, point.context, device)
+    timing = dict(device=device, warmup=request.config.getoption("warmup_steps"),
+                  rounds=request.config.getoption("rounds"))
+
+    def fresh_loss():
+        model.zero_grad(set_to_none=True)
+        return (forward_loss(model, tokens, targets, point.precision),)
+
+    # Timed calls return nothing, so no round keeps the previous round's autograd graph alive.
+    def forward():
+        forward_loss(model, tokens, targets, point.precision)
+
+    def forward_backward():
+        backward(forward_loss(model, tokens, targets, point.precision))
+
+    if phase == "forward":
+        seconds = time_on_device(benchmark, forward, **timing)
+    elif phase == "backward":
+        seconds = time_on_device(benchmark, backward, setup=fresh_loss, **timing)
+    elif phase == "forward_backward":
+        seconds = time_on_device(benchmark, forward_backward, setup=lambda: model.zero_grad(set_to_none=True) or (),
+                                 **timing)
+    else:
+        optimizer = AdamW(model.parameters(), lr=1e-4)
+        seconds = time_on_device(benchmark, lambda: train_step(model, optimizer, tokens, targets, point.precision),
+                                 **timing)
+    model.zero_grad(set_to_none=True)
+
+    flops = PHASE_FLOPS[phase] * forward_flops(model.config, batch_size, point.context)
+    benchmark.extra_info.update(
+        preset=point.preset, context=point.context, precision=point.precision, compiled=point.compiled,
+        phase=phase, batch_size=batch_size, attention=model.config.attention,
+        parameters=model.num_parameters(), tokens_per_s=batch_size * point.context / seconds,
+    )
+    record_throughput(benchmark, seconds=seconds, flops=flops, device=device, precision=point.precision)
+    return seconds
+
+
+def test_warmup_study(benchmark, warmup, device, request, skip_on_oom):
+    """The same forward+backward timed after 0, 1, 2 and 5 warm-up steps, each on a fresh model.
+
+    This runs first in the module, so warm-up 0 also pays for the process's first CUDA calls.
+    """
+    opt = request.config.getoption
+    point = ModelPoint(opt("presets")[0], opt("contexts")[0], opt("precisions")[0], compiled=False)
+    benchmark.group = "warmup-study"
+    with skip_on_oom:
+        model = build_model(point.preset, False, device, opt("attention"), point.context)
+        tokens, targets = random_batch(model.config, opt("batch_size"), point.context, device)
+        time_on_device(benchmark, lambda: backward(forward_loss(model, tokens, targets, point.precision)),
+                       device=device, warmup=warmup, rounds=opt("rounds"))
+    benchmark.extra_info.update(preset=point.preset, context=point.context, precision=point.precision,
+                                warmup_steps=warmup)
+
+
+@pytest.fixture(params=WARMUP_STUDY, ids=lambda w: f"warmup{w}")
+def warmup(request):
+    return request.param
+
+
+def test_model(benchmark, point, phase, models, device, request, skip_on_oom):
+    benchmark.group = f"model-{phase}"
+    with skip_on_oom:
+        model = models.get(point.preset, point.compiled)
+        run_phase(benchmark, model, phase, point, device, request)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("snapshot_phase", ["forward", "step"])
+def test_memory_snapshot(point, snapshot_phase, models, device, request, skip_on_oom):
+    """With --memory-snapshot-dir, write a CUDA memory snapshot of one forward pass and of one step."""
+    out_dir = request.config.getoption("memory_snapshot_dir")
+    if out_dir is None:
+        pytest.skip("pass --memory-snapshot-dir DIR to write memory snapshots")
+    path = pathlib.Path(out_dir) / f"{point}-{snapshot_phase}.pickle"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with skip_on_oom:
+        model = models.get(point.preset, point.compiled)
+        tokens, targets = random_batch(model.config, request.config.getoption("batch_size"), point.context, device)
+        optimizer = AdamW(model.parameters(), lr=1e-4)
+        train_step(model, optimizer, tokens, targets, point.precision)  # warm: optimizer state exists
+        torch.cuda.synchronize()
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000)
+        try:
+            if snapshot_phase == "forward":
+                forward_loss(model, tokens, targets, point.precision)
+            else:
+                train_step(model, optimizer, tokens, targets, point.precision)
+            torch.cuda.synchronize()
+            torch.cuda.memory._dump_snapshot(str(path))
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            model.zero_grad(set_to_none=True)
+    assert path.stat().st_size > 0

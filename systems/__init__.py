@@ -1,0 +1,1 @@
+"""systems-lab: measure, profile and check language-model training on GPUs."""

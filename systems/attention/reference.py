@@ -1,0 +1,53 @@
+"""Attention written out, and the input contract every implementation enforces."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(q kᵀ/√d) v and the row log-sum-exp of the scaled scores, in the inputs' dtype.
+
+    q: (..., n_queries, d), k and v: (..., n_keys, d). With `is_causal`, query i sees keys j <= i.
+    """
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (..., n_queries, n_keys)
+    if is_causal:
+        n_queries, n_keys = scores.shape[-2:]
+        visible = torch.ones(n_queries, n_keys, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (..., n_queries)
+    return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
+
+
+def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                 max_head_dim: int | None = None) -> None:
+    """Raise TypeError/ValueError unless q, k, v are (batch, [heads,] seq, d) tensors that fit together."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"q has dtype {q.dtype}; supported are {[str(d) for d in SUPPORTED_DTYPES]}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if q.dim() not in (3, 4) or k.dim() != q.dim() or v.dim() != q.dim():
+        raise ValueError("q, k, v must all be (batch, seq, d) or all (batch, heads, seq, d), got shapes "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have one shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[:-2] != k.shape[:-2]:
+        raise ValueError(f"batch/head dims of q {tuple(q.shape[:-2])} and k, v {tuple(k.shape[:-2])} differ")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"head dims of q ({q.shape[-1]}) and k, v ({k.shape[-1]}) differ")
+    if q.numel() == 0 or k.numel() == 0:
+        raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    if max_head_dim is not None and q.shape[-1] > max_head_dim:
+        raise ValueError(f"head dim {q.shape[-1]} exceeds the supported maximum {max_head_dim}")

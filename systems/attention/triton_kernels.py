@@ -1,0 +1,391 @@
+"""FlashAttention-2 in Triton: a forward kernel and a three-kernel backward, tiles autotuned per shape.
+
+All kernels take strided (batch, heads, seq, d) views and pad the head dim to a power of two with masks.
+Scores are kept in base 2 (log2(e) folded into the scale) so the softmax runs on exp2; the saved
+log-sum-exp is in natural-log units, as `attention_reference` returns it. The backward follows Triton's
+fused-attention tutorial: D = rowsum(O ∘ dO), then one kernel owns a key tile and sums dK, dV over query
+tiles, another owns a query tile and sums dQ over key tiles, so nothing needs atomics.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from systems.attention.reference import check_inputs
+
+MAX_HEAD_DIM = 128
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+# Tiles as (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages). Sequences shorter than TUNE_FROM_SEQ run
+# one fixed tile: there, autotuning costs more time (a compile per config) than it can save.
+TUNE_FROM_SEQ = 2048
+FWD_TILES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)]
+DKDV_TILES = [(32, 128, 4, 5), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4), (64, 64, 4, 3), (16, 64, 4, 2)]
+DQ_TILES = [(128, 32, 4, 5), (128, 32, 4, 3), (128, 64, 8, 3), (64, 32, 4, 4), (64, 64, 4, 3), (64, 16, 4, 2)]
+if INTERPRETING:
+    # The interpreter runs each program in Python: small tiles keep it quick and give tests several tiles.
+    SHORT_TILES = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
+else:
+    SHORT_TILES = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}
+PREPROCESS_BLOCK = 64
+
+
+@triton.jit
+def _load_tile(ptrs, rows, n_rows, cols, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """A (rows, D_PAD) tile, zero in rows past n_rows (if CHECK_ROWS) and in the head-dim padding."""
+    # Masks only where needed: a mask that varies along d would stop the loads from being vectorized.
+    if CHECK_ROWS:
+        mask = rows[:, None] < n_rows
+        if HEAD_DIM != D_PAD:
+            mask = mask & (cols[None, :] < HEAD_DIM)
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    elif HEAD_DIM != D_PAD:
+        tile = tl.load(ptrs, mask=cols[None, :] < HEAD_DIM, other=0.0)
+    else:
+        tile = tl.load(ptrs)
+    return tile
+
+
+@triton.jit
+def _store_tile(ptrs, tile, rows, n_rows, cols, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    mask = rows[:, None] < n_rows
+    if HEAD_DIM != D_PAD:
+        mask = mask & (cols[None, :] < HEAD_DIM)
+    tl.store(ptrs, tile.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _key_ranges(start_m, n_keys, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
+    """For the query tile at start_m: key tiles in [0, a) need no mask, those in [a, b) do; none lie past b."""
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    full = n_keys // BLOCK_N * BLOCK_N
+    if CAUSAL:
+        # Keys before start_m are visible to every query of the tile; those past its last query to none.
+        unmasked_end = tl.minimum(start_m, full)
+        masked_end = tl.minimum(start_m + BLOCK_M, n_keys)
+    else:
+        unmasked_end = full
+        masked_end = n_keys
+    return unmasked_end, masked_end
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, n_keys, qk_scale,
+               lo, hi, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+               INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    offs_d = tl.arange(0, D_PAD)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_tile(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                       offs_n, n_keys, offs_d, HEAD_DIM, D_PAD, MASKED)
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        if MASKED:
+            visible = offs_n[None, :] < n_keys
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None])
+            qk = tl.where(visible, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                       offs_n, n_keys, offs_d, HEAD_DIM, D_PAD, MASKED)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _fwd_kernel(Q, K, V, O, LSE,
+                stride_qb, stride_qh, stride_qm, stride_qd,
+                stride_kb, stride_kh, stride_kn, stride_kd,
+                stride_vb, stride_vh, stride_vn, stride_vd,
+                stride_ob, stride_oh, stride_om, stride_od,
+                n_heads, n_queries, n_keys, qk_scale,
+                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    # Causal query tiles late in the sequence see the most keys: launch them first, shorten the tail.
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    O += b * stride_ob + h * stride_oh
+    LSE += (b * n_heads + h) * n_queries
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    q = _load_tile(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                   offs_m, n_queries, offs_d, HEAD_DIM, D_PAD, True)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running row max, base 2
+    l_i = tl.zeros([BLOCK_M], tl.float32)  # running row sum of exp2(s - m_i)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    unmasked_end, masked_end = _key_ranges(start_m, n_keys, BLOCK_M, BLOCK_N, CAUSAL)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, n_keys,
+                               qk_scale, 0, unmasked_end, HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION, BLOCK_N, False)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, n_keys,
+                               qk_scale, unmasked_end, masked_end, HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION,
+                               BLOCK_N, True)
+    _store_tile(O + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, acc / l_i[:, None],
+                offs_m, n_queries, offs_d, HEAD_DIM, D_PAD)
+    tl.store(LSE + offs_m, (m_i + tl.math.log2(l_i)) * LN2, mask=offs_m < n_queries)
+
+
+@triton.jit
+def _bwd_preprocess_kernel(O, DO, DELTA,
+                           stride_ob, stride_oh, stride_om, stride_od,
+                           stride_dob, stride_doh, stride_dom, stride_dod,
+                           n_heads, n_queries,
+                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+    """DELTA = rowsum(O ∘ dO), which equals rowsum(P ∘ dP) of the softmax gradient."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    offs_d = tl.arange(0, D_PAD)
+    o = _load_tile(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
+                   offs_m, n_queries, offs_d, HEAD_DIM, D_PAD, True)
+    do = _load_tile(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                    offs_m, n_queries, offs_d, HEAD_DIM, D_PAD, True)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + (b * n_heads + h) * n_queries + offs_m, delta, mask=offs_m < n_queries)
+
+
+@triton.jit
+def _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_qd, stride_dom, stride_dod, offs_n,
+                    n_queries, qk_scale, lo, hi, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                    CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                    MASKED: tl.constexpr):
+    # Query rows past n_queries load as zeros (q, dO, L and D alike) and so add exactly zero to dK and dV.
+    offs_d = tl.arange(0, D_PAD)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + tl.arange(0, BLOCK_M)
+        q = _load_tile(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                       offs_m, n_queries, offs_d, HEAD_DIM, D_PAD, MASKED)
+        do = _load_tile(DO + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                        offs_m, n_queries, offs_d, HEAD_DIM, D_PAD, MASKED)
+        if MASKED:
+            lse = tl.load(LSE + offs_m, mask=offs_m < n_queries, other=0.0)
+            delta = tl.load(DELTA + offs_m, mask=offs_m < n_queries, other=0.0)
+        else:
+            lse = tl.load(LSE + offs_m)
+            delta = tl.load(DELTA + offs_m)
+        # Transposed (keys, queries) blocks, so dV and dK accumulate without transposing P or dS.
+        qk_t = tl.dot(k, tl.trans(q), input_precision=INPUT_PRECISION)
+        p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :] * LOG2E)
+        if MASKED and CAUSAL:
+            p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=INPUT_PRECISION)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=INPUT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
+                     stride_qb, stride_qh, stride_qm, stride_qd,
+                     stride_kb, stride_kh, stride_kn, stride_kd,
+                     stride_vb, stride_vh, stride_vn, stride_vd,
+                     stride_dob, stride_doh, stride_dom, stride_dod,
+                     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+                     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+                     n_heads, n_queries, n_keys, qk_scale, sm_scale,
+                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                     INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    tl.static_assert(BLOCK_N % BLOCK_M == 0)
+    # Causal: early key tiles are seen by the most queries, and program 0 launches first.
+    start_n = tl.program_id(0) * BLOCK_N
+    h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    DO += b * stride_dob + h * stride_doh
+    DK += b * stride_dkb + h * stride_dkh
+    DV += b * stride_dvb + h * stride_dvh
+    LSE += (b * n_heads + h) * n_queries
+    DELTA += (b * n_heads + h) * n_queries
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D_PAD)
+    k = _load_tile(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                   offs_n, n_keys, offs_d, HEAD_DIM, D_PAD, True)
+    v = _load_tile(V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                   offs_n, n_keys, offs_d, HEAD_DIM, D_PAD, True)
+    dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
+    full = n_queries // BLOCK_M * BLOCK_M
+    if CAUSAL:
+        # Queries before start_n see none of these keys; those in the tile's own span need the mask.
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
+                                 offs_n, n_queries, qk_scale, start_n, tl.minimum(start_n + BLOCK_N, n_queries),
+                                 HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION, BLOCK_M, True)
+        lo = start_n + BLOCK_N
+    else:
+        lo = 0
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
+                             offs_n, n_queries, qk_scale, lo, full,
+                             HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION, BLOCK_M, False)
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
+                             offs_n, n_queries, qk_scale, tl.maximum(lo, full), n_queries,
+                             HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION, BLOCK_M, True)
+    _store_tile(DK + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk * sm_scale,
+                offs_n, n_keys, offs_d, HEAD_DIM, D_PAD)
+    _store_tile(DV + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd, dv,
+                offs_n, n_keys, offs_d, HEAD_DIM, D_PAD)
+
+
+@triton.jit
+def _bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, n_keys,
+                  qk_scale, lo, hi, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                  INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
+    # Key rows past n_keys load as zeros (k and v) and so add exactly zero to dQ.
+    offs_d = tl.arange(0, D_PAD)
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        k = _load_tile(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                       offs_n, n_keys, offs_d, HEAD_DIM, D_PAD, MASKED)
+        v = _load_tile(V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
+                       offs_n, n_keys, offs_d, HEAD_DIM, D_PAD, MASKED)
+        qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
+        p = tl.math.exp2(qk * qk_scale - lse[:, None])
+        if MASKED and CAUSAL:
+            p = tl.where(offs_n[None, :] <= offs_m[:, None], p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=INPUT_PRECISION)
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
+                   stride_qb, stride_qh, stride_qm, stride_qd,
+                   stride_kb, stride_kh, stride_kn, stride_kd,
+                   stride_vb, stride_vh, stride_vn, stride_vd,
+                   stride_dob, stride_doh, stride_dom, stride_dod,
+                   stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+                   n_heads, n_queries, n_keys, qk_scale, sm_scale,
+                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                   INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # longest causal tiles first
+    h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    Q += b * stride_qb + h * stride_qh
+    K += b * stride_kb + h * stride_kh
+    V += b * stride_vb + h * stride_vh
+    DO += b * stride_dob + h * stride_doh
+    DQ += b * stride_dqb + h * stride_dqh
+    LSE += (b * n_heads + h) * n_queries
+    DELTA += (b * n_heads + h) * n_queries
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D_PAD)
+    q = _load_tile(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+                   offs_m, n_queries, offs_d, HEAD_DIM, D_PAD, True)
+    do = _load_tile(DO + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
+                    offs_m, n_queries, offs_d, HEAD_DIM, D_PAD, True)
+    lse = tl.load(LSE + offs_m, mask=offs_m < n_queries, other=0.0) * LOG2E
+    delta = tl.load(DELTA + offs_m, mask=offs_m < n_queries, other=0.0)
+    dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    unmasked_end, masked_end = _key_ranges(start_m, n_keys, BLOCK_M, BLOCK_N, CAUSAL)
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, n_keys,
+                       qk_scale, 0, unmasked_end, HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION, BLOCK_N, False)
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, n_keys,
+                       qk_scale, unmasked_end, masked_end, HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION, BLOCK_N, True)
+    _store_tile(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq * sm_scale,
+                offs_m, n_queries, offs_d, HEAD_DIM, D_PAD)
+
+
+def _autotuned(kernel, tiles):
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
+    return triton.autotune(configs, key=["n_queries", "n_keys", "HEAD_DIM", "CAUSAL", "INPUT_PRECISION"])(kernel)
+
+
+# name: (fixed tile for short sequences, autotuned over the tiles for long ones)
+_KERNELS = {
+    "fwd": (_autotuned(_fwd_kernel, [SHORT_TILES["fwd"]]), _autotuned(_fwd_kernel, FWD_TILES)),
+    "dkdv": (_autotuned(_bwd_dkdv_kernel, [SHORT_TILES["dkdv"]]), _autotuned(_bwd_dkdv_kernel, DKDV_TILES)),
+    "dq": (_autotuned(_bwd_dq_kernel, [SHORT_TILES["dq"]]), _autotuned(_bwd_dq_kernel, DQ_TILES)),
+}
+
+
+def _kernel(name: str, n_queries: int, n_keys: int):
+    short, tuned = _KERNELS[name]
+    return tuned if max(n_queries, n_keys) >= TUNE_FROM_SEQ and not INTERPRETING else short
+
+
+def _shape_args(q: torch.Tensor, k: torch.Tensor) -> dict:
+    """The scalar and compile-time arguments every attention kernel shares."""
+    d = q.shape[-1]
+    # fp32 dots follow torch's matmul setting: exact fp32 unless TF32 was allowed.
+    tf32 = q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
+    return dict(n_heads=q.shape[1], n_queries=q.shape[2], n_keys=k.shape[2], qk_scale=math.log2(math.e) / math.sqrt(d),
+                HEAD_DIM=d, D_PAD=max(16, triton.next_power_of_2(d)), INPUT_PRECISION="tf32" if tf32 else "ieee")
+
+
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # q: (batch, heads, n_queries, d), k and v: (batch, heads, n_keys, d)
+    batch, heads, n_queries, _ = q.shape
+    o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q.device)
+    kernel = _kernel("fwd", n_queries, k.shape[2])
+    grid = lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), heads, batch)  # noqa: E731
+    kernel[grid](q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+                 CAUSAL=is_causal, **_shape_args(q, k))
+    return o, lse
+
+
+def _backward(q, k, v, o, do, lse, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    batch, heads, n_queries, d = q.shape
+    n_keys = k.shape[2]
+    if do.stride(-1) != 1:
+        do = do.contiguous()  # e.g. the stride-0 gradient of o.sum(): scalar loads would starve the kernels
+    shape = _shape_args(q, k)
+    delta = torch.empty_like(lse)
+    _bwd_preprocess_kernel[(triton.cdiv(n_queries, PREPROCESS_BLOCK), heads, batch)](
+        o, do, delta, *o.stride(), *do.stride(), heads, n_queries,
+        HEAD_DIM=d, D_PAD=shape["D_PAD"], BLOCK_M=PREPROCESS_BLOCK)
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    sm_scale = 1 / math.sqrt(d)
+    kernel = _kernel("dkdv", n_queries, n_keys)
+    grid = lambda meta: (triton.cdiv(n_keys, meta["BLOCK_N"]), heads, batch)  # noqa: E731
+    kernel[grid](q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+                 *dk.stride(), *dv.stride(), sm_scale=sm_scale, CAUSAL=is_causal, **shape)
+    kernel = _kernel("dq", n_queries, n_keys)
+    grid = lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), heads, batch)  # noqa: E731
+    kernel[grid](q, k, v, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+                 *dq.stride(), sm_scale=sm_scale, CAUSAL=is_causal, **shape)
+    return dq, dk, dv
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dim() == 4 else t.unsqueeze(1)  # (batch, seq, d) -> (batch, 1, seq, d)
+
+
+class FlashAttentionTriton(torch.autograd.Function):
+    """`FlashAttentionTriton.apply(q, k, v, is_causal=False)`: q (batch, [heads,] n_queries, d), d <= 128."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal=False):
+        check_inputs(q, k, v, is_causal, max_head_dim=MAX_HEAD_DIM)
+        if q.device.type != "cuda" and not INTERPRETING:
+            raise ValueError(f"FlashAttentionTriton needs CUDA tensors (or TRITON_INTERPRET=1), got {q.device}")
+        o, lse = _forward(_as_4d(q), _as_4d(k), _as_4d(v), is_causal)
+        o, lse = o.view(q.shape), lse.view(q.shape[:-1])
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.is_causal = is_causal
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        q4 = _as_4d(q)
+        dq, dk, dv = _backward(q4, _as_4d(k), _as_4d(v), _as_4d(o), _as_4d(do), lse.view(q4.shape[:-1]),
+                               ctx.is_causal)
+        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), None

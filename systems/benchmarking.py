@@ -1,0 +1,115 @@
+"""What every benchmark shares: correct GPU timing, device facts and derived figures."""
+
+from __future__ import annotations
+
+import functools
+import platform
+import subprocess
+
+import torch
+
+# Dense datasheet peaks per GPU, TFLOP/s (SXM parts). MFU is measured against these.
+PEAK_TFLOPS = {
+    "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
+    "H100": {"bf16": 989.0, "fp16": 989.0, "tf32": 495.0, "fp32": 67.0},
+    "H200": {"bf16": 989.0, "fp16": 989.0, "tf32": 495.0, "fp32": 67.0},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
+}
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def peak_tflops(device: torch.device, precision: str) -> float | None:
+    """The matmul peak that bounds `precision` ("fp32", "bf16", "fp16") on `device`; None off-GPU."""
+    if device.type != "cuda":
+        return None
+    if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
+        precision = "tf32"  # fp32 matmuls then run on the tensor cores
+    name = torch.cuda.get_device_name(device)
+    for key, peaks in PEAK_TFLOPS.items():  # "H100 PCIe" is listed before "H100" on purpose
+        if key in name:
+            return peaks[precision]
+    return None
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@functools.cache
+def device_info() -> dict:
+    """Versions and GPU facts that make a timing comparable; saved into every benchmark history."""
+    info = {
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "cuda_runtime": torch.version.cuda,
+        "cpu": platform.processor() or platform.machine(),
+        "gpu": None,
+        "gpu_count": 0,
+    }
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(
+            gpu=props.name,
+            gpu_count=torch.cuda.device_count(),
+            compute_capability=f"{props.major}.{props.minor}",
+            gpu_memory_gib=round(props.total_memory / 2**30, 1),
+            driver=_nvidia_smi("driver_version"),
+        )
+    return info
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
+
+
+def _nvidia_smi(field: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=30, check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.splitlines()[0].strip()
+
+
+def time_on_device(benchmark, fn, *, device: torch.device, warmup: int, rounds: int, setup=None):
+    """Time `fn` with pytest-benchmark so that GPU work is inside the measured region.
+
+    Each round ends with a device synchronize, so the wall-clock timer sees the kernels finish;
+    `setup` (untimed, once per round) returns the positional arguments of `fn`. Peak memory over
+    the timed rounds goes into `extra_info`. Returns the median seconds per call.
+    """
+
+    def timed(*args):
+        out = fn(*args)
+        synchronize(device)
+        return out
+
+    def prepare():
+        args = setup() if setup else ()
+        synchronize(device)
+        return args, {}
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    benchmark.pedantic(timed, setup=prepare, rounds=rounds, warmup_rounds=warmup, iterations=1)
+    if device.type == "cuda":
+        benchmark.extra_info["peak_memory_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+    return benchmark.stats.stats.median
+
+
+def record_throughput(benchmark, *, seconds: float, flops: float, device: torch.device, precision: str) -> None:
+    """Achieved TFLOP/s and, on a GPU with a known peak, model FLOPs utilization."""
+    tflops = flops / seconds / 1e12
+    benchmark.extra_info["tflops"] = tflops
+    peak = peak_tflops(device, precision)
+    if peak is not None:
+        benchmark.extra_info["peak_tflops"] = peak
+        benchmark.extra_info["mfu"] = tflops / peak

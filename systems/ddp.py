@@ -1,0 +1,218 @@
+"""Data-parallel wrappers: four ways to average gradients across ranks, from naive to overlapped.
+
+Every wrapper broadcasts rank 0's parameters and buffers at construction, so ranks may build the
+model from different seeds. A training step is `loss = f(ddp(x)); loss.backward();
+ddp.finish_gradient_synchronization(); optimizer.step()`; after it every rank holds the gradient
+of the mean loss over all ranks' batches, as one process training on the whole batch would.
+
+- `NaiveDDP`: one blocking all-reduce per parameter after backward.
+- `FlatDDP`: one all-reduce of all gradients packed into one flat buffer, after backward.
+- `DDPIndividualParameters`: an async all-reduce per parameter, launched by a post-accumulate-grad
+  hook as soon as backward has produced that gradient, so communication overlaps backward.
+- `DDPBucketed`: like the above, but gradients are packed into buckets of about `bucket_size_mb`
+  (filled in reverse parameter order, the order backward produces them) and each bucket is
+  all-reduced as soon as all its gradients exist.
+
+Parameters that get no gradient in a step (unused on some or all ranks) contribute zeros; one that
+got no gradient on any rank keeps `grad=None`, as in single-process training, so optimizers skip
+it. The overlapped variants launch their all-reduces strictly in order, so every rank issues the
+same sequence of collectives even when a parameter is unused on some ranks: that never hangs,
+it only delays the later launches to `finish_gradient_synchronization`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+
+class _InPlace:
+    """One parameter's gradient, all-reduced in place."""
+
+    def __init__(self, param: nn.Parameter):
+        self.params = [param]
+
+    def all_reduce(self, world_size: int) -> dist.Work:
+        param = self.params[0]
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        param.grad.div_(world_size)
+        return dist.all_reduce(param.grad, async_op=True)
+
+    def unpack(self) -> None:
+        """The gradient was reduced where it lives."""
+
+
+class _Bucket:
+    """Gradients of several parameters packed into one flat buffer and all-reduced as one tensor."""
+
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        self.buffer = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
+        self.views = [view.view_as(p) for view, p in zip(self.buffer.split([p.numel() for p in params]), params)]
+
+    def all_reduce(self, world_size: int) -> dist.Work:
+        for param, view in zip(self.params, self.views):
+            if param.grad is None:
+                view.zero_()
+            else:
+                torch.div(param.grad, world_size, out=view)  # averaging costs nothing extra in the copy
+        return dist.all_reduce(self.buffer, async_op=True)
+
+    def unpack(self) -> None:
+        # The reduced gradients stay in the bucket: no copy back, and the freshly computed
+        # gradients are freed.
+        for param, view in zip(self.params, self.views):
+            param.grad = view
+
+
+def fill_buckets(params: list[nn.Parameter], bucket_size_mb: float | None) -> list[list[nn.Parameter]]:
+    """Split `params`, in order, into runs of at most `bucket_size_mb` (one bucket when None).
+
+    A parameter larger than a bucket gets a bucket of its own; a change of dtype starts a new
+    bucket, since a bucket is one flat tensor.
+    """
+    _check_bucket_size(bucket_size_mb)
+    capacity = math.inf if bucket_size_mb is None else bucket_size_mb * 2**20
+    buckets, filled = [], 0
+    for param in params:
+        nbytes = param.numel() * param.element_size()
+        if not buckets or filled + nbytes > capacity or param.dtype != buckets[-1][0].dtype:
+            buckets.append([])
+            filled = 0
+        buckets[-1].append(param)
+        filled += nbytes
+    return buckets
+
+
+class _DataParallel(nn.Module):
+    """What every variant shares: the rank-0 broadcast, the forward, and finishing a step."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+        self.world_size = dist.get_world_size()
+        with torch.no_grad():
+            for tensor in itertools.chain(module.parameters(), module.buffers()):
+                dist.broadcast(tensor, src=0)
+        # parameters() yields a tied parameter once, so its summed gradient is reduced once.
+        # Reversed: backward produces gradients roughly from the last layer to the first.
+        self.trainable = [p for p in module.parameters() if p.requires_grad][::-1]
+        if not self.trainable:
+            raise ValueError("the module has no parameter that requires a gradient")
+        self.units = self._make_units(self.trainable)
+
+    def _make_units(self, trainable: list[nn.Parameter]) -> list:
+        raise NotImplementedError
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def _had_gradient(self) -> list[bool]:
+        return [p.grad is not None for p in self.trainable]
+
+    def _complete(self, works: list[dist.Work], had_gradient: list[bool]) -> None:
+        """Wait for the units' all-reduces, then put back `None` where no rank had a gradient."""
+        # After every unit's all-reduce on every rank, so the sequence of collectives matches.
+        used = _to_device(had_gradient, self.trainable[0].device)
+        works.append(dist.all_reduce(used, async_op=True))
+        for work in works:
+            work.wait()
+        for unit in self.units:
+            unit.unpack()
+        if all(had_gradient):
+            return  # nothing to reset here; skip the host sync that reading `used` costs
+        for param, count in zip(self.trainable, used.tolist()):
+            if count == 0:
+                param.grad = None
+
+
+class NaiveDDP(_DataParallel):
+    """All-reduce each parameter's gradient, one blocking call after another, after backward."""
+
+    def _make_units(self, trainable: list[nn.Parameter]) -> list:
+        return [_InPlace(p) for p in trainable]
+
+    def finish_gradient_synchronization(self) -> None:
+        had_gradient = self._had_gradient()
+        for unit in self.units:
+            unit.all_reduce(self.world_size).wait()
+        self._complete([], had_gradient)
+
+
+class FlatDDP(_DataParallel):
+    """All-reduce every gradient at once, packed into one flat buffer, after backward."""
+
+    def _make_units(self, trainable: list[nn.Parameter]) -> list:
+        return [_Bucket(params) for params in fill_buckets(trainable, None)]
+
+    def finish_gradient_synchronization(self) -> None:
+        had_gradient = self._had_gradient()
+        self._complete([unit.all_reduce(self.world_size) for unit in self.units], had_gradient)
+
+
+class _OverlappedDDP(_DataParallel):
+    """All-reduces launched from post-accumulate-grad hooks while backward is still running."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__(module)
+        self._unit_of = {param: index for index, unit in enumerate(self.units) for param in unit.params}
+        self._reset()
+        for param in self.trainable:
+            param.register_post_accumulate_grad_hook(self._on_gradient)
+
+    def _reset(self) -> None:
+        self._waiting = [len(unit.params) for unit in self.units]  # gradients each unit still needs
+        self._works = []  # one per launched unit; units launch in order
+
+    def _on_gradient(self, param: nn.Parameter) -> None:
+        index = self._unit_of[param]
+        if self._waiting[index] == 0:
+            raise RuntimeError("a parameter got a second gradient before finish_gradient_synchronization; "
+                               "call it after every backward")
+        self._waiting[index] -= 1
+        while len(self._works) < len(self.units) and self._waiting[len(self._works)] == 0:
+            self._works.append(self.units[len(self._works)].all_reduce(self.world_size))
+
+    def finish_gradient_synchronization(self) -> None:
+        had_gradient = self._had_gradient()
+        works = self._works + [unit.all_reduce(self.world_size) for unit in self.units[len(self._works):]]
+        self._complete(works, had_gradient)
+        self._reset()
+
+
+class DDPIndividualParameters(_OverlappedDDP):
+    """An async all-reduce per parameter, launched as soon as backward has produced its gradient."""
+
+    def _make_units(self, trainable: list[nn.Parameter]) -> list:
+        return [_InPlace(p) for p in trainable]
+
+
+class DDPBucketed(_OverlappedDDP):
+    """Gradients packed into buckets of about `bucket_size_mb` (None: one bucket), each all-reduced
+    as soon as backward has produced all of its gradients."""
+
+    def __init__(self, module: nn.Module, bucket_size_mb: float | None):
+        _check_bucket_size(bucket_size_mb)  # before any collective: bad input fails on every rank alike
+        self.bucket_size_mb = bucket_size_mb
+        super().__init__(module)
+
+    def _make_units(self, trainable: list[nn.Parameter]) -> list:
+        return [_Bucket(params) for params in fill_buckets(trainable, self.bucket_size_mb)]
+
+
+def _check_bucket_size(bucket_size_mb: float | None) -> None:
+    if bucket_size_mb is not None and not bucket_size_mb > 0:
+        raise ValueError(f"bucket_size_mb must be positive or None, got {bucket_size_mb}")
+
+
+def _to_device(flags: list[bool], device: torch.device) -> torch.Tensor:
+    flags = torch.tensor(flags, dtype=torch.int32)
+    if device.type == "cuda":
+        # From pinned memory the copy does not wait for the backward still queued on the GPU.
+        return flags.pin_memory().to(device, non_blocking=True)
+    return flags

@@ -1,0 +1,208 @@
+"""A GPT-style Transformer LM with the CS336 architecture and size presets.
+
+Token embedding, N pre-norm blocks (RMSNorm, causal multi-head attention with RoPE, SwiGLU),
+a final RMSNorm and an untied LM head; no biases. Attention is chosen by name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal attention written out: the reference every other backend is checked against."""
+    # q, k, v: (batch, heads, seq, d_head)
+    seq = q.shape[-2]
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    scores = scores.masked_fill(~causal, float("-inf"))
+    return torch.softmax(scores, dim=-1) @ v
+
+
+def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    # Imported here so the model works where Triton is not installed.
+    from systems.attention import flash_attention as flash
+
+    return flash(q, k, v, is_causal=True)
+
+
+ATTENTION_BACKENDS = {"naive": naive_attention, "sdpa": sdpa_attention, "flash": flash_attention}
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    d_model: int
+    d_ff: int
+    num_layers: int
+    num_heads: int
+    vocab_size: int = 10_000
+    context_length: int = 1024
+    rope_theta: float = 10_000.0
+    attention: str = "sdpa"
+
+    def __post_init__(self):
+        if self.d_model % self.num_heads:
+            raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+        if (self.d_model // self.num_heads) % 2:
+            raise ValueError(f"RoPE needs an even head dimension, got {self.d_model // self.num_heads}")
+        if self.attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"unknown attention backend {self.attention!r}; choose from {sorted(ATTENTION_BACKENDS)}")
+
+    @property
+    def d_head(self) -> int:
+        return self.d_model // self.num_heads
+
+
+PRESETS = {
+    "tiny": TransformerConfig(d_model=64, d_ff=256, num_layers=2, num_heads=4, context_length=256),
+    "small": TransformerConfig(d_model=768, d_ff=3072, num_layers=12, num_heads=12),
+    "medium": TransformerConfig(d_model=1024, d_ff=4096, num_layers=24, num_heads=16),
+    "large": TransformerConfig(d_model=1280, d_ff=5120, num_layers=36, num_heads=20),
+    "xl": TransformerConfig(d_model=1600, d_ff=6400, num_layers=48, num_heads=25),
+    "2.7b": TransformerConfig(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
+}
+
+
+def get_config(preset: str, **overrides) -> TransformerConfig:
+    """The preset's config with fields replaced, e.g. `get_config("small", attention="flash")`."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose from {list(PRESETS)}")
+    return dataclasses.replace(PRESETS[preset], **overrides)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, d_model: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(d_model))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Squares of bf16 activations lose too much precision: normalize in fp32.
+        in_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x * self.weight).to(in_dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates each (even, odd) pair of a head's features by a position-dependent angle."""
+
+    def __init__(self, d_head: int, context_length: int, theta: float):
+        super().__init__()
+        inv_freq = theta ** (-torch.arange(0, d_head, 2, dtype=torch.float64) / d_head)
+        angles = torch.outer(torch.arange(context_length, dtype=torch.float64), inv_freq)  # (seq, d_head/2)
+        self.register_buffer("cos", angles.cos().float(), persistent=False)
+        self.register_buffer("sin", angles.sin().float(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: (batch, heads, seq, d_head)
+        seq = x.shape[-2]
+        cos, sin = self.cos[:seq].to(x.dtype), self.sin[:seq].to(x.dtype)
+        even, odd = x[..., 0::2], x[..., 1::2]
+        rotated = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1)
+        return rotated.flatten(-2)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.out = nn.Linear(config.d_model, config.d_model, bias=False)
+        self.rope = RotaryEmbedding(config.d_head, config.context_length, config.rope_theta)
+        self.attend = ATTENTION_BACKENDS[config.attention]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq, d_model = x.shape
+        # (batch, seq, 3 * d_model) -> 3 x (batch, heads, seq, d_head)
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        y = self.attend(self.rope(q), self.rope(k), v)
+        return self.out(y.transpose(1, 2).reshape(batch, seq, d_model))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, d_ff: int):
+        super().__init__()
+        self.w1 = nn.Linear(d_model, d_ff, bias=False)
+        self.w3 = nn.Linear(d_model, d_ff, bias=False)
+        self.w2 = nn.Linear(d_ff, d_model, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model)
+        self.attn = CausalSelfAttention(config)
+        self.ffn_norm = RMSNorm(config.d_model)
+        self.ffn = SwiGLU(config.d_model, config.d_ff)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.ffn(self.ffn_norm(x))
+
+
+class TransformerLM(nn.Module):
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.config = config
+        self.embedding = nn.Embedding(config.vocab_size, config.d_model)
+        self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
+        self.final_norm = RMSNorm(config.d_model)
+        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.apply(_init_weights)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: (batch, seq) integer ids -> logits (batch, seq, vocab_size)."""
+        self.check_tokens(tokens)
+        x = self.embedding(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.final_norm(x))
+
+    @torch.compiler.disable
+    def check_tokens(self, tokens: torch.Tensor) -> None:
+        if tokens.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"token ids must be int64 or int32, got {tokens.dtype}")
+        if tokens.dim() != 2:
+            raise ValueError(f"token ids must be (batch, seq), got shape {tuple(tokens.shape)}")
+        if tokens.shape[1] > self.config.context_length:
+            raise ValueError(
+                f"sequence length {tokens.shape[1]} exceeds context_length={self.config.context_length}"
+            )
+        if ((tokens < 0) | (tokens >= self.config.vocab_size)).any():
+            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+
+def _init_weights(module: nn.Module) -> None:
+    # The CS336 initialization: truncated normals scaled by fan-in plus fan-out.
+    if isinstance(module, nn.Linear):
+        std = math.sqrt(2.0 / (module.in_features + module.out_features))
+        nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
+    elif isinstance(module, nn.Embedding):
+        nn.init.trunc_normal_(module.weight, std=1.0, a=-3.0, b=3.0)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-likelihood, stable for large logits: log-sum-exp with the max taken out."""
+    # logits: (..., vocab), targets: (...)
+    logits = logits.float()
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    log_norm = shifted.exp().sum(dim=-1).log()
+    target_logit = shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return (log_norm - target_logit).mean()

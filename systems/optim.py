@@ -1,0 +1,143 @@
+"""Optimizers: AdamW (fused into one Triton kernel per parameter on CUDA), gradient clipping and
+a ZeRO-1 sharded optimizer."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+
+
+class AdamW(torch.optim.Optimizer):
+    """Adam with decoupled weight decay, with the semantics of `torch.optim.AdamW`.
+
+    On CUDA each parameter is updated by one Triton kernel that reads p, g, m, v and writes p, m, v
+    once: 28 bytes per fp32 parameter, the floor for this update. Elsewhere it runs as torch ops.
+    """
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.01):
+        if lr < 0 or eps < 0 or weight_decay < 0:
+            raise ValueError(f"lr, eps and weight_decay must be non-negative, got {lr}, {eps}, {weight_decay}")
+        if not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"betas must lie in [0, 1), got {betas}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                update = adamw_update_triton if p.is_cuda else adamw_update_torch
+                update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=state["step"],
+                       lr=group["lr"], betas=group["betas"], eps=group["eps"],
+                       weight_decay=group["weight_decay"])
+        return loss
+
+
+def adamw_update_torch(p, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, weight_decay):
+    beta1, beta2 = betas
+    p.mul_(1 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
+    p.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
+
+
+def adamw_update_triton(p, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, weight_decay):
+    from systems.kernels import adamw_step
+
+    if not all(t.is_contiguous() for t in (p, grad, exp_avg, exp_avg_sq)):
+        raise ValueError("the fused AdamW kernel needs contiguous parameters, gradients and state")
+    beta1, beta2 = betas
+    adamw_step(p, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+               weight_decay=weight_decay, step_size=lr / (1 - beta1**step),
+               inv_sqrt_bias_correction2=1 / math.sqrt(1 - beta2**step))
+
+
+@torch.no_grad()
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, eps: float = 1e-6) -> torch.Tensor:
+    """Scale gradients in place so their global L2 norm is at most `max_norm`; returns the norm before.
+
+    The scale is applied unconditionally (1 when under the limit) so no host sync is needed.
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    scale = (max_norm / (total + eps)).clamp(max=1.0)
+    torch._foreach_mul_(grads, scale.to(grads[0].device))
+    return total
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """ZeRO stage 1: each rank keeps the state of `optimizer_cls` for its shard of the parameters only.
+
+    Parameters are dealt out by size, largest first, each to the rank owning the fewest elements so
+    far, so the state splits about evenly. `step()` updates this rank's shard, then every parameter
+    is broadcast from its owner, so all ranks end the step with the same parameters. Gradients must
+    already be averaged across ranks (a DDP wrapper does that). `state` holds this rank's shard.
+    """
+
+    def __init__(self, params, optimizer_cls: type[torch.optim.Optimizer], **kwargs):
+        if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)):
+            raise TypeError(f"optimizer_cls must be a torch.optim.Optimizer subclass, got {optimizer_cls!r}")
+        self.optimizer_cls = optimizer_cls
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.owner: dict[torch.Tensor, int] = {}  # insertion order is the broadcast order on every rank
+        self._owned_numel = [0] * self.world_size
+        self.local_optimizer: torch.optim.Optimizer | None = None  # None while this rank owns nothing
+        self._sharded_groups: list[int] = []  # per local group, the index of the group it shards
+        super().__init__(params, kwargs)  # calls add_param_group for every group
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        params = list(dict.fromkeys(group["params"]))  # a tied parameter listed twice is one parameter
+        for param in sorted(params, key=torch.Tensor.numel, reverse=True):
+            rank = min(range(self.world_size), key=self._owned_numel.__getitem__)
+            self.owner[param] = rank
+            self._owned_numel[rank] += param.numel()
+        shard = [p for p in params if self.owner[p] == self.rank]
+        if not shard:
+            return
+        local = {"params": shard, **_options(group)}
+        if self.local_optimizer is None:
+            self.local_optimizer = self.optimizer_cls([local], **self.defaults)
+            self.local_optimizer.state = self.state
+        else:
+            self.local_optimizer.add_param_group(local)
+        self._sharded_groups.append(len(self.param_groups) - 1)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.local_optimizer is not None:
+            for local, index in zip(self.local_optimizer.param_groups, self._sharded_groups):
+                local.update(_options(self.param_groups[index]))  # e.g. a learning-rate schedule changed it
+            self.local_optimizer.step()
+        works = [dist.broadcast(param, src=rank, async_op=True) for param, rank in self.owner.items()]
+        for work in works:
+            work.wait()
+        return loss
+
+
+def _options(group: dict) -> dict:
+    """A parameter group's hyperparameters."""
+    return {key: value for key, value in group.items() if key not in ("params", "param_names")}

@@ -1,0 +1,57 @@
+"""The pieces of a training step, shared by tests, benchmarks and the data-parallel code."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from systems.benchmarking import DTYPES
+from systems.model import TransformerConfig, cross_entropy
+
+
+def random_batch(config: TransformerConfig, batch_size: int, seq: int, device: torch.device,
+                 generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uniformly random token ids and next-token targets, each (batch_size, seq)."""
+    data = torch.randint(config.vocab_size, (batch_size, seq + 1), generator=generator)
+    data = data.to(device)
+    return data[:, :-1], data[:, 1:]
+
+
+def autocast(device: torch.device, precision: str):
+    """bf16/fp16 autocast around the forward pass; fp32 runs without it."""
+    if precision not in DTYPES:
+        raise ValueError(f"unknown precision {precision!r}; choose from {list(DTYPES)}")
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=DTYPES[precision])
+
+
+def nvtx_range(name: str):
+    """An NVTX range for `nsys profile --capture-range=nvtx`, or nothing off-GPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.nvtx.range(name)
+    return contextlib.nullcontext()
+
+
+def forward_loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor, precision: str) -> torch.Tensor:
+    with nvtx_range("forward"), autocast(tokens.device, precision):
+        return cross_entropy(model(tokens), targets)
+
+
+def backward(loss: torch.Tensor) -> None:
+    with nvtx_range("backward"):
+        loss.backward()
+
+
+def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    with nvtx_range("optimizer_step"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+
+def train_step(model, optimizer, tokens, targets, precision: str) -> torch.Tensor:
+    loss = forward_loss(model, tokens, targets, precision)
+    backward(loss)
+    optimizer_step(optimizer)
+    return loss.detach()
