@@ -58,6 +58,9 @@ def pytest_addoption(parser):
     grid.addoption("--contexts", type=_csv(int), default=[128], help="context lengths for the eager model grid")
     grid.addoption("--compile-contexts", type=_csv(int), default=[],
                    help="context lengths at which the model grid also runs under torch.compile")
+    grid.addoption("--compile-mode", choices=["regional", "cudagraphs"], default="regional",
+                   help="torch.compile block by block (compile time independent of depth), or the whole "
+                        "model with CUDA graphs (no launch overhead; compile time grows with depth)")
     grid.addoption("--precisions", type=_csv(str), default=["fp32", "bf16"], help="fp32 and/or bf16 (autocast)")
     grid.addoption("--batch-size", type=int, default=4)
     grid.addoption("--attention", default="sdpa", help="attention backend of the model benchmarks")
@@ -68,6 +71,31 @@ def pytest_addoption(parser):
     grid.addoption("--benchmark-gate", metavar="EXPR", default=None,
                    help="fail on regressions (e.g. mean:25%%) against the latest saved run of this machine, "
                         "if there is one; otherwise just save this run as the first baseline")
+
+    attn = parser.getgroup("attention benchmarks", "benches/bench_attention.py; defaults fit a laptop CPU")
+    attn.addoption("--attn-grid", choices=["tiny", "full"], default="tiny",
+                   help="tiny: seq 128,256 x d 16,32 in fp32; full: the issue's grids (handout sweep d 16-128 x "
+                        "seq 256-16384; FlashAttention sweep d 16-128 x seq 128-65536 in bf16 and fp32)")
+    attn.addoption("--attn-seqs", type=_csv(int), default=None, help="sequence lengths, overriding --attn-grid's")
+    attn.addoption("--attn-dims", type=_csv(int), default=None, help="head dims, overriding --attn-grid's")
+    attn.addoption("--attn-precisions", type=_csv(str), default=None,
+                   help="fp32/bf16/fp16 for the FlashAttention sweep, overriding --attn-grid's")
+    attn.addoption("--attn-impls", type=_csv(str), default=None,
+                   help="implementations to time, from naive, compiled (torch.compile'd naive), pytorch "
+                        "(FlashAttentionPytorch), triton, sdpa; default naive,compiled,triton,sdpa on CUDA "
+                        "and naive,pytorch,sdpa on CPU")
+
+    dist_grid = parser.getgroup("distributed benchmarks", "benches/bench_allreduce.py and benches/bench_ddp.py; "
+                                "defaults fit a laptop CPU (gloo, 2 ranks)")
+    dist_grid.addoption("--world-sizes", type=_csv(int), default=[2], help="numbers of ranks, e.g. 2,4,6")
+    dist_grid.addoption("--allreduce-backends", type=_csv(str), default=["gloo"],
+                        help="gloo (CPU tensors) and/or nccl (one GPU per rank)")
+    dist_grid.addoption("--allreduce-sizes-mb", type=_csv(float), default=[1.0, 10.0],
+                        help="float32 tensor sizes in MiB, e.g. 1,10,100,1024")
+    dist_grid.addoption("--ddp-preset", default="tiny", help="model preset of the DDP and sharded-optimizer benchmarks "
+                        "(with --batch-size per rank, --contexts, --precisions, --warmup-steps, --rounds)")
+    dist_grid.addoption("--bucket-sizes-mb", type=_csv(float), default=[1.0, 10.0],
+                        help="DDPBucketed bucket sizes in MiB, e.g. 1,10,100,1000")
 
 
 def pytest_configure(config):

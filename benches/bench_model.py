@@ -1,7 +1,7 @@
 """End-to-end model benchmarks: forward, backward, forward+backward and a full AdamW training step.
 
 The grid comes from the command line (conftest.py): --presets, --contexts, --precisions,
---compile-contexts, --batch-size, --attention, --warmup-steps, --rounds. Each point's
+--compile-contexts, --compile-mode, --batch-size, --attention, --warmup-steps, --rounds. Each point's
 extra_info holds the parameter count, tokens/s, TFLOP/s, MFU (on a GPU with a known peak) and
 peak memory; a point that runs out of GPU memory is recorded as such and the run goes on.
 """
@@ -32,10 +32,10 @@ class ModelPoint:
     preset: str
     context: int
     precision: str
-    compiled: bool
+    compile: str  # "eager", or a COMPILE_MODES key
 
     def __str__(self) -> str:
-        return f"{self.preset}-ctx{self.context}-{self.precision}-{'compiled' if self.compiled else 'eager'}"
+        return f"{self.preset}-ctx{self.context}-{self.precision}-{self.compile}"
 
 
 def model_grid(config) -> list[ModelPoint]:
@@ -43,9 +43,9 @@ def model_grid(config) -> list[ModelPoint]:
     opt = config.getoption
     points = []
     for preset in opt("presets"):
-        for compiled, contexts in ((False, opt("contexts")), (True, opt("compile_contexts"))):
+        for compile, contexts in (("eager", opt("contexts")), (opt("compile_mode"), opt("compile_contexts"))):
             for precision in opt("precisions"):
-                points += [ModelPoint(preset, context, precision, compiled) for context in contexts]
+                points += [ModelPoint(preset, context, precision, compile) for context in contexts]
     return points
 
 
@@ -63,26 +63,30 @@ class ModelCache:
         self.device, self.attention, self.context_length = device, attention, context_length
         self.key, self.model = None, None
 
-    def get(self, preset: str, compiled: bool) -> TransformerLM:
-        if (preset, compiled) != self.key:
+    def get(self, preset: str, compile: str) -> TransformerLM:
+        if (preset, compile) != self.key:
             self.key, self.model = None, None
             gc.collect()
             torch.cuda.empty_cache()
             torch._dynamo.reset()
-            self.model = build_model(preset, compiled, self.device, self.attention, self.context_length)
-            self.key = (preset, compiled)
+            self.model = build_model(preset, compile, self.device, self.attention, self.context_length)
+            self.key = (preset, compile)
         return self.model
 
 
-def build_model(preset, compiled, device, attention, context_length) -> TransformerLM:
+def build_model(preset, compile, device, attention, context_length) -> TransformerLM:
     config = get_config(preset, attention=attention, context_length=context_length)
     with torch.device(device):
         model = TransformerLM(config)
-    if compiled:
-        # Block by block: identical blocks share one compiled graph, so compile time does not
-        # grow with depth; the final norm and LM head stay eager.
+    if compile == "regional":
+        # Block by block: identical blocks share one compiled graph, so compile time does not grow
+        # with depth. Large models lose nothing by it.
         for block in model.blocks:
             block.compile(dynamic=False)
+    elif compile == "cudagraphs":
+        # The whole model, replayed as CUDA graphs: small models are bound by kernel launches, and
+        # only graph replay takes the CPU out of the step. Compile time grows with depth.
+        model.compile(mode="reduce-overhead", dynamic=False)
     return model
 
 
@@ -97,45 +101,49 @@ def models(request, device):
     torch.cuda.empty_cache()
 
 
-def run_phase(benchmark, model, phase, point, device, request) -> float:
-    """Time one phase of a training step and return the median seconds per call."""
+def run_phase(benchmark, model, phase, point, device, request) -> None:
+    """Time one phase of a training step and record its derived figures."""
     batch_size = request.config.getoption("batch_size")
     tokens, targets = random_batch(model.config, batch_size, point.context, device)
     timing = dict(device=device, warmup=request.config.getoption("warmup_steps"),
                   rounds=request.config.getoption("rounds"))
+    optimizer = AdamW(model.parameters(), lr=1e-4) if phase == "step" else None
 
-    def fresh_loss():
+    def zero_grad():
         model.zero_grad(set_to_none=True)
-        return (forward_loss(model, tokens, targets, point.precision),)
+        return ()
 
     # Timed calls return nothing, so no round keeps the previous round's autograd graph alive.
+    # Each starts a new CUDA-graph step, which frees the graphs' outputs of the round before.
     def forward():
+        torch.compiler.cudagraph_mark_step_begin()
         forward_loss(model, tokens, targets, point.precision)
 
+    def fresh_loss():
+        zero_grad()
+        torch.compiler.cudagraph_mark_step_begin()
+        return (forward_loss(model, tokens, targets, point.precision),)
+
     def forward_backward():
+        torch.compiler.cudagraph_mark_step_begin()
         backward(forward_loss(model, tokens, targets, point.precision))
 
-    if phase == "forward":
-        seconds = time_on_device(benchmark, forward, **timing)
-    elif phase == "backward":
-        seconds = time_on_device(benchmark, backward, setup=fresh_loss, **timing)
-    elif phase == "forward_backward":
-        seconds = time_on_device(benchmark, forward_backward, setup=lambda: model.zero_grad(set_to_none=True) or (),
-                                 **timing)
-    else:
-        optimizer = AdamW(model.parameters(), lr=1e-4)
-        seconds = time_on_device(benchmark, lambda: train_step(model, optimizer, tokens, targets, point.precision),
-                                 **timing)
-    model.zero_grad(set_to_none=True)
+    def step():
+        torch.compiler.cudagraph_mark_step_begin()
+        train_step(model, optimizer, tokens, targets, point.precision)
 
-    flops = PHASE_FLOPS[phase] * forward_flops(model.config, batch_size, point.context)
+    fn, setup = {"forward": (forward, None), "backward": (backward, fresh_loss),
+                 "forward_backward": (forward_backward, zero_grad), "step": (step, None)}[phase]
+    seconds = time_on_device(benchmark, fn, setup=setup, **timing)
+    model.zero_grad(set_to_none=True)
     benchmark.extra_info.update(
-        preset=point.preset, context=point.context, precision=point.precision, compiled=point.compiled,
-        phase=phase, batch_size=batch_size, attention=model.config.attention,
-        parameters=model.num_parameters(), tokens_per_s=batch_size * point.context / seconds,
+        preset=point.preset, context=point.context, precision=point.precision, compile=point.compile,
+        phase=phase, batch_size=batch_size, attention=model.config.attention, parameters=model.num_parameters(),
     )
-    record_throughput(benchmark, seconds=seconds, flops=flops, device=device, precision=point.precision)
-    return seconds
+    if seconds is not None:
+        benchmark.extra_info["tokens_per_s"] = batch_size * point.context / seconds
+        flops = PHASE_FLOPS[phase] * forward_flops(model.config, batch_size, point.context)
+        record_throughput(benchmark, seconds=seconds, flops=flops, device=device, precision=point.precision)
 
 
 def test_warmup_study(benchmark, warmup, device, request, skip_on_oom):
@@ -144,10 +152,10 @@ def test_warmup_study(benchmark, warmup, device, request, skip_on_oom):
     This runs first in the module, so warm-up 0 also pays for the process's first CUDA calls.
     """
     opt = request.config.getoption
-    point = ModelPoint(opt("presets")[0], opt("contexts")[0], opt("precisions")[0], compiled=False)
+    point = ModelPoint(opt("presets")[0], opt("contexts")[0], opt("precisions")[0], "eager")
     benchmark.group = "warmup-study"
     with skip_on_oom:
-        model = build_model(point.preset, False, device, opt("attention"), point.context)
+        model = build_model(point.preset, "eager", device, opt("attention"), point.context)
         tokens, targets = random_batch(model.config, opt("batch_size"), point.context, device)
         time_on_device(benchmark, lambda: backward(forward_loss(model, tokens, targets, point.precision)),
                        device=device, warmup=warmup, rounds=opt("rounds"))
@@ -163,7 +171,7 @@ def warmup(request):
 def test_model(benchmark, point, phase, models, device, request, skip_on_oom):
     benchmark.group = f"model-{phase}"
     with skip_on_oom:
-        model = models.get(point.preset, point.compiled)
+        model = models.get(point.preset, point.compile)
         run_phase(benchmark, model, phase, point, device, request)
 
 
@@ -177,7 +185,7 @@ def test_memory_snapshot(point, snapshot_phase, models, device, request, skip_on
     path = pathlib.Path(out_dir) / f"{point}-{snapshot_phase}.pickle"
     path.parent.mkdir(parents=True, exist_ok=True)
     with skip_on_oom:
-        model = models.get(point.preset, point.compiled)
+        model = models.get(point.preset, point.compile)
         tokens, targets = random_batch(model.config, request.config.getoption("batch_size"), point.context, device)
         optimizer = AdamW(model.parameters(), lr=1e-4)
         train_step(model, optimizer, tokens, targets, point.precision)  # warm: optimizer state exists

@@ -190,7 +190,8 @@ class PeakMemory:
     """Predicted torch.cuda.max_memory_allocated, in bytes, with the model already on the device."""
 
     inference: int  # forward and loss under torch.no_grad
-    forward: int  # forward and loss recording autograd, no optimizer state (the benchmarks' forward)
+    forward: int  # forward and loss recording autograd (the benchmarks' forward phase)
+    forward_backward: int  # forward, loss and backward without optimizer state (backward phases)
     train_step: int  # forward, backward and AdamW step once the optimizer state exists
 
 
@@ -199,32 +200,38 @@ def peak_memory(config: TransformerConfig, batch_size: int, seq: int, precision:
     state = model_state(config, precision)
     acts = activation_memory(config, batch_size, seq, precision, attention=attention, device=device)
     low = DTYPES[precision].itemsize
-    autocast = low != FP32
     tokens = batch_size * seq
     d, d_ff, vocab = config.d_model, config.d_ff, config.vocab_size
     residual = residual_stream_bytes(config, batch_size, seq)
-    resident = state.params + state.buffers + state.autocast_weights
-    forward = resident + acts.total
+    weights = state.params + state.buffers
+    forward = weights + state.autocast_weights + acts.total
 
-    # Backward: the loss's backward holds one more logits-sized gradient than the forward kept; the
-    # blocks then free their activations and weight copies while gradients fill in, so the peak is
-    # at the top of the stack or at the bottom, where all gradients exist.
-    lm_head_copy = low * d * vocab if autocast else 0
-    top_block = (state.optimizer + resident - lm_head_copy + acts.total - acts.head  # after the loss and LM head
-                 + FP32 * (d * vocab + d + d * d_ff)  # LM head, final norm and w2 gradients
-                 + 2 * tokens * d_ff * low + residual)  # SwiGLU backward's gradients, the residual's
-    train_step = max(
-        state.optimizer + forward,
-        state.optimizer + resident + acts.total + acts.logits,
-        top_block,
-        state.training + state.grads + max(residual, _optimizer_transient(config, device)),
-    )
+    # The loss's backward briefly holds one more fp32 logits-sized gradient, and the bool mask of
+    # amax's gradient, than the forward kept.
+    loss_backward = acts.logits + acts.logits // FP32
+    # Each block's backward frees its activations and weight copies and adds its gradients, so the
+    # blocks' peak, inside SwiGLU's backward (w2's gradient done, the product's two gradients being
+    # made), is in the top block or the bottom one.
+    autocast = state.autocast_weights > 0
+    layer_grads = FP32 * (4 * d * d + 3 * d * d_ff + 2 * d)
+    layer_copies = low * (4 * d * d + 3 * d * d_ff) if autocast else 0
+    w2_copy = low * d * d_ff if autocast else 0
+    swiglu_backward = FP32 * d * d_ff - w2_copy + 2 * tokens * d_ff * low
+    layers = config.num_layers
+
+    def in_block(i: int) -> int:  # blocks above i are done
+        return (weights + FP32 * (d * vocab + d) + (layers - 1 - i) * layer_grads
+                + (i + 1) * (acts.per_layer + layer_copies) + residual + swiglu_backward)
+
+    all_grads = weights + state.grads
+    forward_backward = max(forward + loss_backward, in_block(layers - 1), in_block(0), all_grads + residual)
+    train_step = state.optimizer + max(forward_backward, all_grads + _optimizer_transient(config, device))
 
     # No grad: the loss's fp32 logits copies, or one block's SwiGLU working set on top of the residual stream.
-    loss = 3 * acts.logits
-    block = 2 * residual + 3 * tokens * d_ff * low
-    inference = resident + max(loss, block)
-    return PeakMemory(inference=inference, forward=forward, train_step=train_step)
+    working_set = max(3 * acts.logits, 2 * residual + 3 * tokens * d_ff * low)
+    inference = weights + state.autocast_weights + working_set
+    return PeakMemory(inference=inference, forward=forward, forward_backward=forward_backward,
+                      train_step=train_step)
 
 
 def _optimizer_transient(config: TransformerConfig, device: str) -> int:

@@ -52,8 +52,14 @@ class _Bucket:
 
     def __init__(self, params: list[nn.Parameter]):
         self.params = params
-        self.buffer = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
-        self.views = [view.view_as(p) for view, p in zip(self.buffer.split([p.numel() for p in params]), params)]
+        # Each view starts on a 16-byte boundary: the gradients live on in these views, and
+        # vectorized kernels (the fused AdamW) need aligned tensors. The padding stays zero.
+        align = max(1, 16 // params[0].element_size())
+        offsets = [0]
+        for param in params:
+            offsets.append(offsets[-1] + param.numel() + -param.numel() % align)
+        self.buffer = torch.zeros(offsets[-1], dtype=params[0].dtype, device=params[0].device)
+        self.views = [self.buffer[start:start + p.numel()].view_as(p) for start, p in zip(offsets, params)]
 
     def all_reduce(self, world_size: int) -> dist.Work:
         for param, view in zip(self.params, self.views):
@@ -145,7 +151,7 @@ class NaiveDDP(_DataParallel):
 
 
 class FlatDDP(_DataParallel):
-    """All-reduce every gradient at once, packed into one flat buffer, after backward."""
+    """All-reduce every gradient at once, packed into one flat buffer (one per dtype), after backward."""
 
     def _make_units(self, trainable: list[nn.Parameter]) -> list:
         return [_Bucket(params) for params in fill_buckets(trainable, None)]

@@ -1,17 +1,20 @@
 """Process groups for data-parallel work: spawn N ranks here, or join the group torchrun started.
 
 `launch(fn, world_size)` runs `fn(*args)` on every rank of a fresh process group (gloo on CPUs,
-NCCL with one GPU per rank) and returns the ranks' return values in rank order. It never hangs
-and never leaves a process behind: a rank that raises fails the call with its traceback, a rank
-that does not finish in time has its stack dumped to stderr and is killed, and every process is
-reaped before `launch` returns or raises. Code that runs inside `launch` also runs under torchrun
-after `init_from_env(backend)`, so the same training code goes to several nodes unchanged.
+NCCL with one GPU per rank) and returns the ranks' return values in rank order. `RankPool` keeps
+such a group alive to run one function after another, so a benchmark grid pays for spawning
+and rendezvous once. Neither ever hangs or leaves a process behind: a rank that raises fails the
+call with its traceback, ranks that do not finish in time have their stacks dumped to stderr and
+are killed, and after a failure every process is reaped before the error reaches the caller.
+Code that runs inside them also runs under torchrun after `init_from_env(backend)`, so the same
+training code goes to several nodes unchanged.
 """
 
 from __future__ import annotations
 
 import ctypes
 import faulthandler
+import gc
 import multiprocessing
 import os
 import pickle
@@ -35,41 +38,113 @@ class RankFailed(RuntimeError):
     """A rank raised, or died without reporting; the message names it and carries its traceback."""
 
 
+class RankOutOfMemory(RankFailed, torch.OutOfMemoryError):
+    """A rank ran out of GPU memory: caught like the OutOfMemoryError of single-process code."""
+
+
 class RankTimeout(TimeoutError):
     """Ranks did not finish within the timeout and were killed; the message names them."""
 
 
+class RankPool:
+    """`world_size` spawned ranks of one process group, running one function after another.
+
+    `timeout` (seconds) bounds each `run` from its call, start-up and rendezvous included for the
+    first, and every collective. After a failure the pool is closed and `run` raises.
+    """
+
+    def __init__(self, world_size: int, *, backend: str = "gloo", timeout: float = 120.0):
+        _check_group(world_size, backend, timeout)
+        self.world_size, self.backend, self.timeout = world_size, backend, timeout
+        context = multiprocessing.get_context("spawn")
+        self._jobs = [context.Queue() for _ in range(world_size)]
+        self._results = context.Queue()
+        # A FileStore on a fresh path: concurrent pools (pytest-xdist workers) cannot collide.
+        self._store_dir = tempfile.mkdtemp(prefix="systems-ranks-")
+        store_path = os.path.join(self._store_dir, "store")
+        self._ranks = [context.Process(target=_serve, name=f"rank {rank}",
+                                       args=(rank, world_size, backend, store_path, timeout,
+                                             self._jobs[rank], self._results))
+                       for rank in range(world_size)]
+        self.closed = False
+        try:
+            for process in self._ranks:
+                process.start()
+        except BaseException:
+            self._shut_down(grace=0.0)
+            raise
+
+    def run(self, fn: Callable, *args, timeout: float | None = None) -> list:
+        """`fn(*args)` on every rank; their results, rank 0 first.
+
+        `fn` and `args` must pickle (a module-level function); results must pickle too and should
+        be CPU tensors or plain values. `timeout` overrides the pool's for this call.
+        """
+        if self.closed:
+            raise RuntimeError("this RankPool is closed")
+        timeout = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        job = pickle.dumps((fn, args))
+        for jobs in self._jobs:
+            jobs.put(job)
+        try:
+            return _collect(self._ranks, self._results, deadline, timeout)
+        except BaseException:
+            self._shut_down(grace=0.0)  # the other ranks may be stuck in a collective
+            raise
+
+    def close(self) -> None:
+        """Let the ranks leave the group and exit; kill any that do not within 30 s."""
+        if self.closed:
+            return
+        for jobs in self._jobs:
+            jobs.put(None)
+        self._shut_down(grace=30.0)
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _shut_down(self, grace: float) -> None:
+        self.closed = True
+        _reap(self._ranks, grace)
+        for channel in (*self._jobs, self._results):
+            channel.close()
+            channel.cancel_join_thread()
+        shutil.rmtree(self._store_dir, ignore_errors=True)
+
+
 def launch(fn: Callable, world_size: int, *, backend: str = "gloo", timeout: float = 120.0,
            args: tuple = ()) -> list:
-    """Run `fn(*args)` on `world_size` spawned ranks and return their results, rank 0 first.
+    """Run `fn(*args)` once on `world_size` fresh ranks and return their results, rank 0 first."""
+    with RankPool(world_size, backend=backend, timeout=timeout) as pool:
+        return pool.run(fn, *args)
 
-    `fn` and `args` must pickle (a module-level function); results must pickle too and should
-    be CPU tensors or plain values. `timeout` (seconds) bounds everything: start-up, rendezvous,
-    every collective and `fn` itself.
-    """
-    _check_group(world_size, backend, timeout)
-    context = multiprocessing.get_context("spawn")
-    results = context.Queue()
-    # A FileStore on a fresh path: concurrent launches (pytest-xdist workers) cannot collide.
-    store_dir = tempfile.mkdtemp(prefix="systems-launch-")
-    store_path = os.path.join(store_dir, "store")
-    deadline = time.monotonic() + timeout
-    ranks = [context.Process(target=_run_rank, name=f"rank {rank}",
-                             args=(rank, world_size, backend, store_path, timeout, fn, args, results))
-             for rank in range(world_size)]
-    finished = False
-    try:
-        for process in ranks:
-            process.start()
-        outcomes = _collect(ranks, results, deadline, timeout)
-        finished = True
-        return outcomes
-    finally:
-        # Ranks that reported are only tearing down their group; failed or hung ones go at once.
-        _reap(ranks, grace=30.0 if finished else 0.0)
-        results.close()
-        results.cancel_join_thread()
-        shutil.rmtree(store_dir, ignore_errors=True)
+
+class RankPools:
+    """A live RankPool per (world size, backend), started on first use and again after a failure."""
+
+    def __init__(self, timeout: float):
+        self.timeout = timeout
+        self._pools: dict[tuple[int, str], RankPool] = {}
+
+    def run(self, world_size: int, backend: str, fn: Callable, *args) -> list:
+        pool = self._pools.get((world_size, backend))
+        if pool is None or pool.closed:
+            pool = self._pools[world_size, backend] = RankPool(world_size, backend=backend, timeout=self.timeout)
+        return pool.run(fn, *args)
+
+    def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
+
+    def __enter__(self) -> RankPools:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def init_from_env(backend: str, timeout: float = 600.0) -> None:
@@ -94,7 +169,7 @@ def _check_group(world_size: int, backend: str, timeout: float) -> None:
     _check_backend(backend)
     if not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
-    if timeout <= 0:
+    if not timeout > 0:
         raise ValueError(f"timeout must be positive, got {timeout}")
     if backend == "nccl" and world_size > torch.cuda.device_count():
         raise ValueError(f"nccl needs one GPU per rank: {world_size} ranks, {torch.cuda.device_count()} GPUs")
@@ -108,8 +183,8 @@ def _init_group(backend: str, local_rank: int, timeout: float, **rendezvous) -> 
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout), device_id=device_id, **rendezvous)
 
 
-def _run_rank(rank, world_size, backend, store_path, timeout, fn, args, results) -> None:
-    """The body of one spawned rank: join the group, run `fn`, report the result or the traceback."""
+def _serve(rank, world_size, backend, store_path, timeout, jobs, results) -> None:
+    """The body of one spawned rank: join the group, then run jobs until told to stop."""
     _die_with_parent()
     faulthandler.register(signal.SIGUSR1)  # the parent asks a hung rank where it is stuck
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on the lent machines
@@ -118,18 +193,28 @@ def _run_rank(rank, world_size, backend, store_path, timeout, fn, args, results)
         # N ranks share this machine's cores; torchrun does the same with OMP_NUM_THREADS.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
-        store = dist.FileStore(store_path, world_size)
-        _init_group(backend, rank, timeout, store=store, rank=rank, world_size=world_size)
-        outcome = ("ok", pickle.dumps(fn(*args)))
+        _init_group(backend, rank, timeout, store=dist.FileStore(store_path, world_size),
+                    rank=rank, world_size=world_size)
     except BaseException:
-        outcome = ("error", traceback.format_exc())
-    results.put((rank, *outcome))
-    if dist.is_initialized():
-        dist.destroy_process_group()
+        results.put((rank, "error", traceback.format_exc()))
+        return
+    while (job := jobs.get()) is not None:
+        try:
+            fn, args = pickle.loads(job)
+            outcome = ("ok", pickle.dumps(fn(*args)))
+        except torch.OutOfMemoryError:
+            outcome = ("oom", traceback.format_exc())
+        except BaseException:
+            outcome = ("error", traceback.format_exc())
+        results.put((rank, *outcome))
+        gc.collect()  # the next job starts from an empty GPU
+        torch.cuda.empty_cache()
+    dist.destroy_process_group()
 
 
 def _die_with_parent() -> None:
-    """Have the kernel kill this rank if the parent dies, so not even a killed parent leaves orphans."""
+    """Have the kernel kill this rank when the thread that started it dies, so not even a killed parent
+    leaves orphans."""
     if sys.platform == "linux":
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
@@ -142,6 +227,14 @@ def _collect(ranks, results, deadline: float, timeout: float) -> list:
         except queue.Empty:
             _check_progress(ranks, outcomes, results, deadline, timeout)
     return [outcomes[rank] for rank in range(len(ranks))]
+
+
+def _as_outcome(item) -> dict:
+    rank, status, payload = item
+    if status == "ok":
+        return {rank: pickle.loads(payload)}
+    error = RankOutOfMemory if status == "oom" else RankFailed
+    raise error(f"rank {rank} failed: {payload.strip().splitlines()[-1]}\n{payload}")
 
 
 def _check_progress(ranks, outcomes, results, deadline: float, timeout: float) -> None:
@@ -162,13 +255,6 @@ def _check_progress(ranks, outcomes, results, deadline: float, timeout: float) -
         time.sleep(0.5)  # let faulthandler write their stacks to stderr
         names = ", ".join(f"rank {rank}" for rank in hung)
         raise RankTimeout(f"did not finish within {timeout:g} s and were killed (stacks on stderr): {names}")
-
-
-def _as_outcome(item) -> dict:
-    rank, status, payload = item
-    if status == "error":
-        raise RankFailed(f"rank {rank} failed:\n{payload}")
-    return {rank: pickle.loads(payload)}
 
 
 def _reap(ranks, grace: float) -> None:

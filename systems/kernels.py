@@ -1,35 +1,91 @@
 """Small Triton kernels the model's training step uses (attention lives in systems.attention)."""
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+ADAMW_BLOCK = 4096
+
 
 @triton.jit
-def _adamw_kernel(p_ptr, g_ptr, m_ptr, v_ptr, n, lr, beta1, beta2, eps, weight_decay,
-                  step_size, inv_sqrt_bc2, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32)
-    m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
-    v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
+def _adamw_kernel(p_base, g_base, m_base, v_base, offsets, numels, chunk_tensor, chunk_start,
+                  step_sizes, inv_sqrt_bc2s, lr, beta1, beta2, eps, weight_decay, BLOCK: tl.constexpr):
+    # One program updates BLOCK elements of one tensor; the tables say which tensor and where.
+    # Tensor t's elements start `offsets[4t + i]` elements after the i-th base pointer. Bases passed
+    # as arguments are known to be 16-byte aligned and the hints carry that through the offsets;
+    # with unmasked full blocks the loads are then vectorized (16 bytes a thread).
+    chunk = tl.program_id(0)
+    t = tl.load(chunk_tensor + chunk)
+    start = tl.multiple_of(tl.load(chunk_start + chunk), BLOCK)
+    offs = start + tl.arange(0, BLOCK)
+    p_ptr = p_base + tl.multiple_of(tl.load(offsets + 4 * t), 4) + offs
+    g_ptr = g_base + tl.multiple_of(tl.load(offsets + 4 * t + 1), 4) + offs
+    m_ptr = m_base + tl.multiple_of(tl.load(offsets + 4 * t + 2), 4) + offs
+    v_ptr = v_base + tl.multiple_of(tl.load(offsets + 4 * t + 3), 4) + offs
+    step_size = tl.load(step_sizes + t)
+    inv_sqrt_bc2 = tl.load(inv_sqrt_bc2s + t)
+    numel = tl.load(numels + t)
+    if start + BLOCK <= numel:
+        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, None, lr, beta1, beta2, eps, weight_decay, step_size, inv_sqrt_bc2)
+    else:
+        _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, offs < numel, lr, beta1, beta2, eps, weight_decay, step_size,
+                     inv_sqrt_bc2)
+
+
+@triton.jit
+def _adamw_block(p_ptr, g_ptr, m_ptr, v_ptr, mask, lr, beta1, beta2, eps, weight_decay, step_size, inv_sqrt_bc2):
+    p = tl.load(p_ptr, mask=mask)
+    g = tl.load(g_ptr, mask=mask)
+    m = tl.load(m_ptr, mask=mask)
+    v = tl.load(v_ptr, mask=mask)
     p = p * (1 - lr * weight_decay)
     m = m + (1 - beta1) * (g - m)
     v = beta2 * v + (1 - beta2) * g * g
     p = p - step_size * m / (tl.sqrt(v) * inv_sqrt_bc2 + eps)
-    tl.store(p_ptr + offs, p.to(p_ptr.dtype.element_ty), mask=mask)
-    tl.store(m_ptr + offs, m.to(m_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_ptr + offs, v.to(v_ptr.dtype.element_ty), mask=mask)
+    tl.store(p_ptr, p, mask=mask)
+    tl.store(m_ptr, m, mask=mask)
+    tl.store(v_ptr, v, mask=mask)
 
 
-def adamw_step(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, *,
-               lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-               step_size: float, inv_sqrt_bias_correction2: float) -> None:
-    """One AdamW update of a contiguous parameter, in place; bias corrections folded into the scalars."""
-    n = p.numel()
-    block = 4096
-    _adamw_kernel[(triton.cdiv(n, block),)](
-        p, grad, exp_avg, exp_avg_sq, n, lr, beta1, beta2, eps, weight_decay,
-        step_size, inv_sqrt_bias_correction2, BLOCK=block, num_warps=8,
+@functools.lru_cache(maxsize=8)
+def _chunk_table(numels: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Each tensor's size and, for each program, the tensor it updates and the offset of its block.
+
+    Fixed by the shapes, so built once and kept on the device.
+    """
+    counts = torch.tensor([triton.cdiv(n, ADAMW_BLOCK) for n in numels])
+    tensor_index = torch.repeat_interleave(torch.arange(len(numels)), counts)
+    starts = torch.cat([torch.arange(int(c)) * ADAMW_BLOCK for c in counts])
+    return (torch.tensor(numels, device=device), tensor_index.to(device, torch.int32),
+            starts.to(device, torch.int64))
+
+
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    table = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":  # pinned, so the copy does not wait for the backward pass to finish
+        return table.pin_memory().to(device, non_blocking=True)
+    return table
+
+
+def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr: float, beta1: float, beta2: float,
+               eps: float, weight_decay: float) -> None:
+    """One AdamW update of many contiguous fp32 tensors, in place, in a single kernel launch.
+
+    Reads p, g, m, v and writes p, m, v once: 28 bytes per parameter, the floor of this update.
+    """
+    device = params[0].device
+    lists = (params, grads, exp_avgs, exp_avg_sqs)
+    if any(t.dtype != torch.float32 or t.data_ptr() % 16 for tensors in lists for t in tensors):
+        raise ValueError("the fused AdamW kernel needs 16-byte aligned fp32 tensors")
+    bases = [tensors[0] for tensors in lists]
+    offsets = [(t.data_ptr() - base.data_ptr()) // 4 for group in zip(*lists) for t, base in zip(group, bases)]
+    # Bias corrections differ per tensor where a parameter skipped steps (no gradient).
+    scalars = _to_device([[lr / (1 - beta1**s) for s in steps], [(1 - beta2**s) ** -0.5 for s in steps]],
+                         torch.float32, device)
+    numels, chunk_tensor, chunk_start = _chunk_table(tuple(p.numel() for p in params), device)
+    _adamw_kernel[(len(chunk_tensor),)](
+        *bases, _to_device(offsets, torch.int64, device), numels, chunk_tensor, chunk_start, scalars[0], scalars[1],
+        lr, beta1, beta2, eps, weight_decay, BLOCK=ADAMW_BLOCK, num_warps=8,
     )

@@ -1,4 +1,4 @@
-"""Optimizers: AdamW (fused into one Triton kernel per parameter on CUDA), gradient clipping and
+"""Optimizers: AdamW (one fused Triton launch per step on CUDA), gradient clipping and
 a ZeRO-1 sharded optimizer."""
 
 from __future__ import annotations
@@ -13,8 +13,9 @@ import torch.distributed as dist
 class AdamW(torch.optim.Optimizer):
     """Adam with decoupled weight decay, with the semantics of `torch.optim.AdamW`.
 
-    On CUDA each parameter is updated by one Triton kernel that reads p, g, m, v and writes p, m, v
-    once: 28 bytes per fp32 parameter, the floor for this update. Elsewhere it runs as torch ops.
+    On CUDA all fp32 parameters of a group are updated by one Triton kernel launch that reads p, g,
+    m, v and writes p, m, v once: 28 bytes per parameter, the floor for this update, and no
+    per-parameter launch overhead. Elsewhere it runs as torch ops.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -32,20 +33,28 @@ class AdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
+            hyper = dict(lr=group["lr"], betas=group["betas"], eps=group["eps"], weight_decay=group["weight_decay"])
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
                     state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["step"] += 1
-                update = adamw_update_triton if p.is_cuda else adamw_update_torch
-                update(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=state["step"],
-                       lr=group["lr"], betas=group["betas"], eps=group["eps"],
-                       weight_decay=group["weight_decay"])
+            fused = [p for p in params if _fusable(p)]
+            if fused:
+                adamw_update_fused(fused, [self.state[p] for p in fused], **hyper)
+            for p in params:
+                if not _fusable(p):
+                    state = self.state[p]
+                    adamw_update_torch(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=state["step"], **hyper)
         return loss
+
+
+def _fusable(p: torch.Tensor) -> bool:
+    return p.is_cuda and p.dtype == p.grad.dtype == torch.float32 and all(
+        t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (p, p.grad))
 
 
 def adamw_update_torch(p, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, weight_decay):
@@ -57,15 +66,13 @@ def adamw_update_torch(p, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, we
     p.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
 
 
-def adamw_update_triton(p, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, weight_decay):
+def adamw_update_fused(params, states, *, lr, betas, eps, weight_decay):
+    """The same update for many contiguous fp32 tensors in one Triton launch (systems.kernels)."""
     from systems.kernels import adamw_step
 
-    if not all(t.is_contiguous() for t in (p, grad, exp_avg, exp_avg_sq)):
-        raise ValueError("the fused AdamW kernel needs contiguous parameters, gradients and state")
-    beta1, beta2 = betas
-    adamw_step(p, grad, exp_avg, exp_avg_sq, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-               weight_decay=weight_decay, step_size=lr / (1 - beta1**step),
-               inv_sqrt_bias_correction2=1 / math.sqrt(1 - beta2**step))
+    adamw_step(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+               [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
+               lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
 
 
 @torch.no_grad()
@@ -117,7 +124,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         local = {"params": shard, **_options(group)}
         if self.local_optimizer is None:
             self.local_optimizer = self.optimizer_cls([local], **self.defaults)
-            self.local_optimizer.state = self.state
+            self.local_optimizer.state = self.state  # one dict: `state` and state_dict() show this rank's shard
         else:
             self.local_optimizer.add_param_group(local)
         self._sharded_groups.append(len(self.param_groups) - 1)

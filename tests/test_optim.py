@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from systems.optim import AdamW, adamw_update_torch, adamw_update_triton, clip_grad_norm
+from systems.optim import AdamW, adamw_update_fused, adamw_update_torch, clip_grad_norm
 
 
 def _train_pair(ours_cls, device, steps=10, **hyper):
@@ -30,18 +30,24 @@ def test_adamw_matches_torch(hyper):
 
 
 def test_fused_kernel_matches_torch_update():
-    """The Triton kernel (interpreted on a CPU) computes the same update as the torch ops."""
-    p, g, m, v = (torch.randn(5000) for _ in range(4))
-    v = v.abs()
-    tensors = [p, g, m, v]
-    reference = [t.clone() for t in tensors]
-    hyper = dict(step=3, lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
-    adamw_update_torch(*reference, **hyper)
-    if torch.cuda.is_available():
-        tensors = [t.cuda() for t in tensors]
-    adamw_update_triton(*tensors, **hyper)
+    """One Triton launch (interpreted on a CPU) updates tensors of mixed sizes and step counts
+    exactly as the torch ops do, one tensor at a time."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sizes, steps = [5000, 1, 4096, 4097, 300], [3, 1, 7, 3, 12]
+    tensors = [[torch.randn(n, device=device) for _ in range(4)] for n in sizes]
+    for p, g, m, v in tensors:
+        v.abs_()
+    reference = [[t.clone() for t in group] for group in tensors]
+    hyper = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
+    for group, step in zip(reference, steps):
+        adamw_update_torch(*group, step=step, **hyper)
+    for p, g, _, _ in tensors:
+        p.grad = g
+    states = [dict(exp_avg=m, exp_avg_sq=v, step=s) for (_, _, m, v), s in zip(tensors, steps)]
+    adamw_update_fused([group[0] for group in tensors], states, **hyper)
     for ours, ref in zip(tensors, reference):
-        torch.testing.assert_close(ours.cpu(), ref, rtol=1e-6, atol=1e-6)
+        for a, b in zip(ours, ref):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.gpu

@@ -26,9 +26,9 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 # Tiles as (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages). Sequences shorter than TUNE_FROM_SEQ run
 # one fixed tile: there, autotuning costs more time (a compile per config) than it can save.
 TUNE_FROM_SEQ = 2048
-FWD_TILES = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 128, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2)]
-DKDV_TILES = [(32, 128, 4, 5), (32, 128, 4, 3), (64, 128, 8, 3), (32, 64, 4, 4), (64, 64, 4, 3), (16, 64, 4, 2)]
-DQ_TILES = [(128, 32, 4, 5), (128, 32, 4, 3), (128, 64, 8, 3), (64, 32, 4, 4), (64, 64, 4, 3), (64, 16, 4, 2)]
+FWD_TILES = [(64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 3)]
+DKDV_TILES = [(64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 4), (64, 128, 8, 3), (32, 128, 8, 3), (16, 64, 4, 3)]
+DQ_TILES = [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 4, 5), (128, 64, 8, 2), (64, 16, 4, 3)]
 if INTERPRETING:
     # The interpreter runs each program in Python: small tiles keep it quick and give tests several tiles.
     SHORT_TILES = {"fwd": (32, 16, 4, 1), "dkdv": (16, 32, 4, 1), "dq": (32, 16, 4, 1)}
@@ -108,9 +108,10 @@ def _fwd_kernel(Q, K, V, O, LSE,
                 stride_kb, stride_kh, stride_kn, stride_kd,
                 stride_vb, stride_vh, stride_vn, stride_vd,
                 stride_ob, stride_oh, stride_om, stride_od,
-                n_heads, n_queries, n_keys, qk_scale,
-                HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                n_heads, n_queries, n_keys,
+                SM_SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    qk_scale = SM_SCALE * LOG2E  # scores in base 2
     # Causal query tiles late in the sequence see the most keys: launch them first, shorten the tail.
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
     h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
@@ -195,10 +196,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
                      stride_dob, stride_doh, stride_dom, stride_dod,
                      stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                      stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                     n_heads, n_queries, n_keys, qk_scale, sm_scale,
-                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                     n_heads, n_queries, n_keys,
+                     SM_SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                      INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     tl.static_assert(BLOCK_N % BLOCK_M == 0)
+    qk_scale = SM_SCALE * LOG2E
     # Causal: early key tiles are seen by the most queries, and program 0 launches first.
     start_n = tl.program_id(0) * BLOCK_N
     h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
@@ -234,7 +236,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
     dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
                              offs_n, n_queries, qk_scale, tl.maximum(lo, full), n_queries,
                              HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION, BLOCK_M, True)
-    _store_tile(DK + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk * sm_scale,
+    _store_tile(DK + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk * SM_SCALE,
                 offs_n, n_keys, offs_d, HEAD_DIM, D_PAD)
     _store_tile(DV + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd, dv,
                 offs_n, n_keys, offs_d, HEAD_DIM, D_PAD)
@@ -269,9 +271,10 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
                    stride_vb, stride_vh, stride_vn, stride_vd,
                    stride_dob, stride_doh, stride_dom, stride_dod,
                    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-                   n_heads, n_queries, n_keys, qk_scale, sm_scale,
-                   HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                   n_heads, n_queries, n_keys,
+                   SM_SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    qk_scale = SM_SCALE * LOG2E
     start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M  # longest causal tiles first
     h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     Q += b * stride_qb + h * stride_qh
@@ -296,7 +299,7 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
                        qk_scale, 0, unmasked_end, HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION, BLOCK_N, False)
     dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, n_keys,
                        qk_scale, unmasked_end, masked_end, HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION, BLOCK_N, True)
-    _store_tile(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq * sm_scale,
+    _store_tile(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq * SM_SCALE,
                 offs_m, n_queries, offs_d, HEAD_DIM, D_PAD)
 
 
@@ -321,10 +324,15 @@ def _kernel(name: str, n_queries: int, n_keys: int):
 def _shape_args(q: torch.Tensor, k: torch.Tensor) -> dict:
     """The scalar and compile-time arguments every attention kernel shares."""
     d = q.shape[-1]
-    # fp32 dots follow torch's matmul setting: exact fp32 unless TF32 was allowed.
-    tf32 = q.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32
-    return dict(n_heads=q.shape[1], n_queries=q.shape[2], n_keys=k.shape[2], qk_scale=math.log2(math.e) / math.sqrt(d),
-                HEAD_DIM=d, D_PAD=max(16, triton.next_power_of_2(d)), INPUT_PRECISION="tf32" if tf32 else "ieee")
+    precision = "ieee"  # what 16-bit dots do anyway
+    if q.dtype == torch.float32:
+        # 3xTF32 keeps about fp32's accuracy on the tensor cores (plain fp32 dots spill badly); one TF32
+        # pass where torch allows TF32 matmuls.
+        precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
+    # The scale is a compile-time constant (one per head dim anyway): a float argument would arrive as fp64
+    # under torch.compile and promote the softmax math.
+    return dict(n_heads=q.shape[1], n_queries=q.shape[2], n_keys=k.shape[2], SM_SCALE=1 / math.sqrt(d),
+                HEAD_DIM=d, D_PAD=max(16, triton.next_power_of_2(d)), INPUT_PRECISION=precision)
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -352,15 +360,14 @@ def _backward(q, k, v, o, do, lse, is_causal: bool) -> tuple[torch.Tensor, torch
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    sm_scale = 1 / math.sqrt(d)
     kernel = _kernel("dkdv", n_queries, n_keys)
     grid = lambda meta: (triton.cdiv(n_keys, meta["BLOCK_N"]), heads, batch)  # noqa: E731
     kernel[grid](q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-                 *dk.stride(), *dv.stride(), sm_scale=sm_scale, CAUSAL=is_causal, **shape)
+                 *dk.stride(), *dv.stride(), CAUSAL=is_causal, **shape)
     kernel = _kernel("dq", n_queries, n_keys)
     grid = lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), heads, batch)  # noqa: E731
     kernel[grid](q, k, v, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-                 *dq.stride(), sm_scale=sm_scale, CAUSAL=is_causal, **shape)
+                 *dq.stride(), CAUSAL=is_causal, **shape)
     return dq, dk, dv
 
 

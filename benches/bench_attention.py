@@ -1,0 +1,184 @@
+"""Attention benchmarks: the CS336 handout sweep, the FlashAttention sweep and the leaderboard configuration.
+
+The grids come from the command line (conftest.py): --attn-grid, --attn-seqs, --attn-dims,
+--attn-precisions, --attn-impls, --warmup-steps, --rounds. Each point's extra_info holds milliseconds,
+TFLOP/s (forward 4·b·h·n_q·n_k·d, backward 2.5x that, both halved when causal) and, on a GPU, peak memory
+and the memory held between forward and backward; a point that runs out of GPU memory is recorded as such.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from systems.attention import FlashAttentionPytorch, attention_reference
+from systems.benchmarking import DTYPES, record_throughput, synchronize, time_on_device
+
+PASSES = ("forward", "backward", "forward_backward")
+PASS_FLOPS = {"forward": 1.0, "backward": 2.5, "forward_backward": 3.5}  # in units of one forward pass
+GRIDS = {  # sweep: (seqs, dims, precisions)
+    "tiny": {"handout": ([128, 256], [16, 32], ["fp32"]), "flash": ([128, 256], [16, 32], ["fp32"])},
+    "full": {"handout": ([256, 1024, 4096, 8192, 16384], [16, 32, 64, 128], ["fp32"]),
+             "flash": ([2**i for i in range(7, 17)], [16, 32, 64, 128], ["bf16", "fp32"])},
+}
+SWEEP_IMPLS = {"handout": ("naive", "compiled"), "flash": ("naive", "compiled", "pytorch", "triton", "sdpa")}
+LEADERBOARD_SHAPE = (16, 16384, 64)  # (batch, seq, d), bf16, causal
+
+
+@dataclass(frozen=True)
+class AttentionPoint:
+    sweep: str
+    impl: str
+    batch: int
+    seq: int
+    d: int
+    precision: str
+    is_causal: bool
+
+    def __str__(self) -> str:
+        return f"{self.impl}-seq{self.seq}-d{self.d}-{self.precision}"
+
+
+def attention_grid(config, sweep: str) -> list[AttentionPoint]:
+    """The handout sweep: batch 8, one head, no mask, fp32. The FlashAttention sweep: batch 1, causal."""
+    opt = config.getoption
+    seqs, dims, precisions = GRIDS[opt("attn_grid")][sweep]
+    seqs, dims = opt("attn_seqs") or seqs, opt("attn_dims") or dims
+    if sweep == "flash":
+        precisions = opt("attn_precisions") or precisions
+    default = ("naive", "compiled", "triton", "sdpa") if torch.cuda.is_available() else ("naive", "pytorch", "sdpa")
+    impls = [impl for impl in opt("attn_impls") or default if impl in SWEEP_IMPLS[sweep]]
+    batch, is_causal = (8, False) if sweep == "handout" else (1, True)
+    return [AttentionPoint(sweep, impl, batch, seq, d, precision, is_causal)
+            for impl in impls for precision in precisions for d in dims for seq in seqs]
+
+
+def pytest_generate_tests(metafunc):
+    for sweep in SWEEP_IMPLS:
+        if f"{sweep}_point" in metafunc.fixturenames:
+            metafunc.parametrize(f"{sweep}_point", attention_grid(metafunc.config, sweep), ids=str)
+    if "pass_" in metafunc.fixturenames:
+        # The handout times forward and backward apart.
+        handout = "handout_point" in metafunc.fixturenames
+        metafunc.parametrize("pass_", PASSES[:2] if handout else PASSES)
+
+
+def naive_attention(q, k, v, is_causal):
+    return attention_reference(q, k, v, is_causal)[0]
+
+
+def sdpa_attention(q, k, v, is_causal):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+
+def attention_impl(impl: str, device: torch.device):
+    """The (q, k, v, is_causal) -> o function that `impl` names."""
+    if impl == "triton":
+        if device.type != "cuda":
+            pytest.skip("the Triton kernels are benchmarked on CUDA only (the interpreter is far too slow)")
+        from systems.attention import FlashAttentionTriton
+
+        return FlashAttentionTriton.apply
+    if impl == "compiled":
+        torch._dynamo.reset()  # one graph per shape: never hit the recompile limit over a grid
+        return torch.compile(naive_attention, dynamic=False)
+    impls = {"naive": naive_attention, "pytorch": FlashAttentionPytorch.apply, "sdpa": sdpa_attention}
+    if impl not in impls:
+        raise pytest.UsageError(f"unknown attention implementation {impl!r}")
+    return impls[impl]
+
+
+def attention_flops(batch: int, heads: int, n_queries: int, n_keys: int, d: int, is_causal: bool) -> float:
+    """Forward FLOPs: two matmuls of 2·n_q·n_k·d per head; causal attention does half."""
+    return 4 * batch * heads * n_queries * n_keys * d / (2 if is_causal else 1)
+
+
+def time_attention_pass(benchmark, request, device, attend, inputs, is_causal: bool, pass_: str) -> float:
+    """Median seconds of `pass_`; the backward is that of o.sum(), as in the CS336 leaderboard."""
+    opt = request.config.getoption
+    timing = dict(device=device, warmup=opt("warmup_steps"), rounds=opt("rounds"))
+
+    def fresh_loss():
+        for t in inputs:
+            t.grad = None  # no gradient accumulation inside the timed region
+        return (attend(*inputs, is_causal).sum(),)
+
+    if pass_ == "backward" and device.type == "cuda":
+        loss = fresh_loss()[0]
+        synchronize(device)
+        benchmark.extra_info["memory_before_backward_mb"] = torch.cuda.memory_allocated(device) / 2**20
+        del loss
+    if pass_ == "forward":
+        return time_on_device(benchmark, lambda: attend(*inputs, is_causal), **timing)
+    if pass_ == "backward":
+        return time_on_device(benchmark, lambda loss: loss.backward(), setup=fresh_loss, **timing)
+
+    def clear_grads():
+        for t in inputs:
+            t.grad = None
+        return ()
+
+    return time_on_device(benchmark, lambda: attend(*inputs, is_causal).sum().backward(), setup=clear_grads,
+                          **timing)
+
+
+def run_point(benchmark, request, device, point: AttentionPoint, pass_: str) -> float:
+    attend = attention_impl(point.impl, device)
+    benchmark.group = f"{point.sweep} {pass_} d={point.d} {point.precision}"
+    benchmark.extra_info.update(vars(point))
+    benchmark.extra_info["pass"] = pass_
+    shape = (point.batch, 1, point.seq, point.d)  # one head
+    inputs = [torch.randn(shape, device=device, dtype=DTYPES[point.precision], requires_grad=True)
+              for _ in range(3)]
+    seconds = time_attention_pass(benchmark, request, device, attend, inputs, point.is_causal, pass_)
+    flops = PASS_FLOPS[pass_] * attention_flops(point.batch, 1, point.seq, point.seq, point.d, point.is_causal)
+    benchmark.extra_info["ms"] = seconds * 1e3
+    record_throughput(benchmark, seconds=seconds, flops=flops, device=device, precision=point.precision)
+    return seconds
+
+
+def test_handout_sweep(benchmark, request, device, skip_on_oom, handout_point, pass_):
+    with skip_on_oom:
+        run_point(benchmark, request, device, handout_point, pass_)
+
+
+def test_flash_sweep(benchmark, request, device, skip_on_oom, flash_point, pass_):
+    with skip_on_oom:
+        run_point(benchmark, request, device, flash_point, pass_)
+
+
+@pytest.mark.gpu
+def test_leaderboard(benchmark, request, device, skip_on_oom, pass_):
+    """torch.compile(FlashAttentionTriton.apply) on (16, 16384, 64) bf16 causal, beside torch SDPA."""
+    from triton.testing import do_bench
+
+    from systems.attention import FlashAttentionTriton
+
+    flash = torch.compile(FlashAttentionTriton.apply)
+    batch, seq, d = LEADERBOARD_SHAPE
+    benchmark.group = f"leaderboard {pass_}"
+    with skip_on_oom:
+        inputs = [torch.randn(batch, seq, d, device=device, dtype=torch.bfloat16, requires_grad=True)
+                  for _ in range(3)]
+        seconds = time_attention_pass(benchmark, request, device, flash, inputs, True, pass_)
+        flops = PASS_FLOPS[pass_] * attention_flops(batch, 1, seq, seq, d, True)
+        record_throughput(benchmark, seconds=seconds, flops=flops, device=device, precision="bf16")
+        # SDPA beside it, both timed alike with CUDA events (median of do_bench, L2 flushed between calls).
+        heads = [t.unsqueeze(1) for t in inputs]  # SDPA's fused kernels want (batch, heads, seq, d)
+        ms = {name: _do_bench_pass(do_bench, attend, args, inputs, pass_)
+              for name, attend, args in (("triton", flash, inputs), ("sdpa", sdpa_attention, heads))}
+    benchmark.extra_info.update(ms=seconds * 1e3, do_bench_ms=ms["triton"], sdpa_do_bench_ms=ms["sdpa"],
+                                vs_sdpa=ms["triton"] / ms["sdpa"])
+
+
+def _do_bench_pass(do_bench, attend, args, leaves, pass_: str) -> float:
+    """Median milliseconds of `pass_` of causal attend(*args); `leaves` get their gradients reset."""
+    if pass_ == "forward":
+        return do_bench(lambda: attend(*args, True), return_mode="median")
+    if pass_ == "backward":
+        loss = attend(*args, True).sum()
+        return do_bench(lambda: loss.backward(retain_graph=True), grad_to_none=leaves, return_mode="median")
+    return do_bench(lambda: attend(*args, True).sum().backward(), grad_to_none=leaves, return_mode="median")

@@ -1,0 +1,157 @@
+"""Data-parallel training steps: every DDP variant against torch's DistributedDataParallel and one
+process, a bucket-size sweep, and ShardedOptimizer's memory against AdamW and ZeroRedundancyOptimizer.
+
+The grid comes from the command line (conftest.py): --ddp-preset, --batch-size (per rank),
+--contexts, --precisions, --world-sizes, --bucket-sizes-mb, --warmup-steps, --rounds (timed
+steps). The backend is NCCL with one GPU per rank where CUDA is available, gloo on CPU otherwise.
+Every rank trains on its own --batch-size rows (systems.ddp_train.train), so the single-process
+point does the work of one rank and the ratio `vs_single` is the cost of data parallelism.
+
+extra_info of a step point: the step and its phases in seconds (forward, backward, comm_wait:
+waiting in finish_gradient_synchronization for the all-reduces, optimizer), each the mean over
+ranks of the rank's median over the timed steps, the spread of the step between ranks, the
+communication share, tokens/s over all ranks, TFLOP/s and MFU per GPU, peak memory, and the step
+relative to the single-process point (`vs_single`) and to torch DDP (`vs_torch_ddp`) of the same
+precision and context when those ran earlier in the session. Torch DDP waits for its all-reduces
+inside backward, so its comm_wait is zero and backward includes the wait.
+
+How it is timed: the steps run in spawned ranks, out of reach of pytest-benchmark's timer, and
+are timed there (CUDA events on the compute stream on a GPU, so timing adds no host syncs; the
+wall clock on a CPU). The ranks are started once per world size and kept. pytest-benchmark's
+rounds are the timed steps, each as long as its slowest rank (systems.benchmarking.record_timings),
+so its table, the history and the regression gate see the real step time.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from systems.accounting import forward_flops
+from systems.benchmarking import record_throughput, record_timings
+from systems.ddp_train import OPTIMIZERS, PHASES, TrainSpec, train
+from systems.distributed import RankPools
+from systems.model import get_config
+
+TORCH_DDP_BUCKET_MB = 25.0  # torch's default bucket_cap_mb
+SHARDED_BUCKET_MB = 25.0  # the sharded-optimizer points all train with DDPBucketed at this size
+BACKEND = "nccl" if torch.cuda.is_available() else "gloo"
+_step_seconds: dict[tuple, float] = {}  # (variant, precision, context, world size) -> step seconds
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    variant: str
+    bucket_size_mb: float | None
+    precision: str
+    context: int
+    world_size: int
+
+    def __str__(self) -> str:
+        bucket = f"-{self.bucket_size_mb:g}MiB" if self.variant == "bucketed" else ""
+        return f"{self.variant}{bucket}-{self.precision}-ctx{self.context}-{self.world_size}ranks"
+
+
+def step_grid(config) -> list[StepPoint]:
+    """Per precision and context: one process first, then torch DDP, then the variants and the sweep."""
+    opt = config.getoption
+    points = []
+    for precision in opt("precisions"):
+        for context in opt("contexts"):
+            points.append(StepPoint("single", None, precision, context, 1))
+            for world_size in (n for n in opt("world_sizes") if n > 1):
+                points.append(StepPoint("torch", TORCH_DDP_BUCKET_MB, precision, context, world_size))
+                points += [StepPoint(variant, None, precision, context, world_size)
+                           for variant in ("naive", "flat", "individual")]
+                points += [StepPoint("bucketed", size, precision, context, world_size)
+                           for size in opt("bucket_sizes_mb")]
+    return points
+
+
+def pytest_generate_tests(metafunc):
+    if "point" in metafunc.fixturenames:
+        metafunc.parametrize("point", step_grid(metafunc.config), ids=str)
+    if "world_size" in metafunc.fixturenames:
+        world_sizes = [n for n in metafunc.config.getoption("world_sizes") if n > 1]
+        metafunc.parametrize("world_size", world_sizes, ids=lambda n: f"{n}ranks")
+
+
+@pytest.fixture(scope="module")
+def pools():
+    with RankPools(timeout=600) as pools:
+        yield pools
+
+
+def train_in_ranks(benchmark, pools, world_size: int, spec: TrainSpec) -> list[dict]:
+    if BACKEND == "nccl" and world_size > torch.cuda.device_count():
+        pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
+    ranks = pools.run(world_size, BACKEND, train, spec)
+    # A data-parallel step is done when its slowest rank is.
+    record_timings(benchmark, [max(steps) for steps in zip(*(rank["seconds"]["step"] for rank in ranks))])
+    return ranks
+
+
+def spec_for(request, **fields) -> TrainSpec:
+    opt = request.config.getoption
+    return TrainSpec(preset=opt("ddp_preset"), batch_size=opt("batch_size"), warmup=opt("warmup_steps"),
+                     steps=opt("rounds"), **fields)
+
+
+def mean_of_medians(ranks: list[dict], phase: str) -> float:
+    return statistics.mean(statistics.median(rank["seconds"][phase]) for rank in ranks)
+
+
+def record_memory(benchmark, ranks: list[dict]) -> None:
+    if "memory_mb" in ranks[0]:
+        for moment in ranks[0]["memory_mb"]:
+            benchmark.extra_info[f"memory_{moment}_mb"] = max(rank["memory_mb"][moment] for rank in ranks)
+
+
+def test_ddp_step(benchmark, point, pools, request, device, skip_on_oom):
+    benchmark.group = f"ddp-step-{point.precision}-ctx{point.context}"
+    spec = spec_for(request, variant=point.variant, bucket_size_mb=point.bucket_size_mb,
+                    precision=point.precision, context=point.context)
+    with skip_on_oom:
+        ranks = train_in_ranks(benchmark, pools, point.world_size, spec)
+    info = benchmark.extra_info
+    info.update(preset=spec.preset, variant=point.variant, bucket_size_mb=point.bucket_size_mb,
+                precision=point.precision, context=point.context, batch_size_per_rank=spec.batch_size,
+                world_size=point.world_size, backend=BACKEND)
+    for phase in PHASES + ("step",):
+        info[f"{phase}_s"] = mean_of_medians(ranks, phase)
+    step = info["step_s"]
+    steps = [statistics.median(rank["seconds"]["step"]) for rank in ranks]
+    info.update(step_spread_s=max(steps) - min(steps), comm_share=info["comm_wait_s"] / step,
+                tokens_per_s=point.world_size * spec.batch_size * spec.context / step)
+    flops = 3 * forward_flops(get_config(spec.preset), spec.batch_size, spec.context)
+    record_throughput(benchmark, seconds=step, flops=flops, device=device, precision=point.precision)
+    record_memory(benchmark, ranks)
+    _step_seconds[point.variant, point.precision, point.context, point.world_size] = step
+    for key, baseline in (("vs_single", ("single", 1)), ("vs_torch_ddp", ("torch", point.world_size))):
+        reference = _step_seconds.get((baseline[0], point.precision, point.context, baseline[1]))
+        if point.variant != baseline[0] and reference is not None:
+            info[key] = step / reference
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_optimizer_memory(benchmark, optimizer, world_size, pools, request, skip_on_oom):
+    """Optimizer state per rank and peak memory, for AdamW, ShardedOptimizer(AdamW) and ZeRO-1 of torch."""
+    opt = request.config.getoption
+    benchmark.group = f"optimizer-{world_size}ranks"
+    spec = spec_for(request, variant="bucketed", bucket_size_mb=SHARDED_BUCKET_MB, optimizer=optimizer,
+                    precision=opt("precisions")[0], context=opt("contexts")[0])
+    with skip_on_oom:
+        ranks = train_in_ranks(benchmark, pools, world_size, spec)
+    state = [rank["state_bytes"] for rank in ranks]
+    # The sharded optimizers split the unsharded state between ranks; AdamW holds all of it on each.
+    unsharded = state[0] if optimizer == "adamw" else sum(state)
+    benchmark.extra_info.update(
+        preset=spec.preset, optimizer=optimizer, world_size=world_size, precision=spec.precision,
+        state_mb=[s / 2**20 for s in state], unsharded_state_mb=unsharded / 2**20,
+        state_fraction=max(state) / unsharded, ideal_fraction=1 / world_size,
+        optimizer_s=mean_of_medians(ranks, "optimizer"), step_s=mean_of_medians(ranks, "step"),
+    )
+    record_memory(benchmark, ranks)

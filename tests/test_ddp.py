@@ -1,0 +1,188 @@
+"""Every DDP variant trains exactly like one process does.
+
+Each rank builds the model from its own seed (so the wrapper must broadcast rank 0's weights,
+the frozen layer and the buffer included), trains on its slice of every global batch, and must
+end with the parameters of single-process training on all slices: the mean of the slices'
+losses. The toy model ties its output layer to its embedding and has a layer used on all
+ranks in step 0, on none in step 1 (its gradient must stay None, or weight decay would touch
+it) and on one rank only in steps 2 and 3. Optimizers: SGD with momentum and weight decay (which
+catches a sum where a mean belongs), AdamW, and ShardedOptimizer(AdamW), checked against
+single-process AdamW. One spawn per process group runs every variant, bucket size and optimizer
+and returns all results; the single-process references run in the same ranks, on the same device.
+"""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from systems.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP
+from systems.distributed import launch, rank_device
+from systems.optim import AdamW, ShardedOptimizer
+
+VOCAB, WIDTH, ROWS_PER_RANK, SEQ, STEPS, SEED = 23, 8, 3, 5, 4, 1234
+TRAINABLE = ["norm.bias", "norm.weight", "sometimes.bias", "sometimes.weight", "hidden.bias", "hidden.weight",
+             "embed.weight"]  # reverse registration order; head.weight is embed.weight
+# Bucket sizes: below every parameter; 90 floats (a few buckets); everything in one bucket.
+BUCKETS = {
+    "per-parameter": (1e-9, [[name] for name in TRAINABLE]),
+    "few": (90 * 4 / 2**20, [TRAINABLE[:4], TRAINABLE[4:6], TRAINABLE[6:]]),
+    "one": (None, [TRAINABLE]),
+}
+VARIANTS = ["naive", "flat", "individual"] + [f"bucketed-{name}" for name in BUCKETS]
+OPTIMIZERS = ["sgd", "adamw", "sharded-adamw"]  # sharded-adamw is checked against single-process AdamW
+ADAMW = dict(lr=0.02, weight_decay=0.1)
+
+
+class ToyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.hidden = nn.Linear(WIDTH, WIDTH)
+        self.frozen = nn.Linear(WIDTH, WIDTH).requires_grad_(False)
+        self.sometimes = nn.Linear(WIDTH, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("shift", torch.randn(WIDTH))
+        with torch.no_grad():  # LayerNorm starts at ones and zeros: make every rank's start differ
+            self.norm.weight.normal_()
+            self.norm.bias.normal_()
+
+    def forward(self, tokens: torch.Tensor, use_sometimes: bool) -> torch.Tensor:
+        x = self.embed(tokens) + self.shift  # (rows, seq, width)
+        x = torch.tanh(self.hidden(x)) + self.frozen(x)
+        if use_sometimes:
+            x = x + torch.tanh(self.sometimes(x))
+        return self.head(self.norm(x))  # (rows, seq, vocab)
+
+
+def uses_sometimes(step: int, rank: int, world_size: int) -> bool:
+    return [True, False, rank == 0, rank == world_size - 1][step]
+
+
+def slice_loss(model, tokens, targets, step, rank, world_size) -> torch.Tensor:
+    rows = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+    logits = model(tokens[rows], uses_sometimes(step, rank, world_size))
+    return F.cross_entropy(logits.flatten(0, 1), targets[rows].flatten())
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.2, momentum=0.9, weight_decay=0.05)
+    if name == "sharded-adamw":
+        return ShardedOptimizer(params, AdamW, **ADAMW)
+    return AdamW(params, **ADAMW)
+
+
+def wrap(variant: str, model: nn.Module) -> nn.Module:
+    if variant.startswith("bucketed-"):
+        return DDPBucketed(model, BUCKETS[variant.removeprefix("bucketed-")][0])
+    return {"naive": NaiveDDP, "flat": FlatDDP, "individual": DDPIndividualParameters}[variant](model)
+
+
+def batches(device, world_size):
+    data = torch.Generator().manual_seed(SEED)
+    for step in range(STEPS):
+        tokens = torch.randint(VOCAB, (world_size * ROWS_PER_RANK, SEQ + 1), generator=data).to(device)
+        yield step, tokens[:, :-1], tokens[:, 1:]
+
+
+def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
+
+
+def train_single_process(optimizer_name: str, device, world_size: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(SEED)  # rank 0's seed
+    model = ToyModel().to(device)
+    optimizer = make_optimizer(optimizer_name, model.parameters())
+    for step, tokens, targets in batches(device, world_size):
+        losses = [slice_loss(model, tokens, targets, step, rank, world_size) for rank in range(world_size)]
+        torch.stack(losses).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return snapshot(model)
+
+
+def train_replicas() -> dict:
+    """On every rank: all variants and optimizers, the references, and the bucket layouts."""
+    rank, world_size, device = dist.get_rank(), dist.get_world_size(), rank_device()
+    results = {"reference": {name: train_single_process(name, device, world_size) for name in ("sgd", "adamw")},
+               "buckets": {}, "launched_in_backward": {}}
+    for variant in VARIANTS:
+        for optimizer_name in OPTIMIZERS:
+            torch.manual_seed(SEED + rank)
+            model = ToyModel().to(device)
+            ddp = wrap(variant, model)
+            optimizer = make_optimizer(optimizer_name, ddp.parameters())
+            for step, tokens, targets in batches(device, world_size):
+                loss = slice_loss(ddp, tokens, targets, step, rank, world_size)
+                with mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as all_reduce:
+                    loss.backward()
+                if step == 0:
+                    results["launched_in_backward"][variant] = all_reduce.call_count
+                ddp.finish_gradient_synchronization()
+                optimizer.step()
+                optimizer.zero_grad()
+            results[variant, optimizer_name] = snapshot(model)
+        if isinstance(ddp, DDPBucketed):
+            names = {param: name for name, param in model.named_parameters()}
+            results["buckets"][variant] = [[names[p] for p in unit.params] for unit in ddp.units]
+    return results
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param(("gloo", 2), id="gloo-2"),
+    pytest.param(("gloo", 4), id="gloo-4"),
+    pytest.param(("nccl", 2), id="nccl-2", marks=pytest.mark.multigpu(2)),
+])
+def replicas(request) -> list[dict]:
+    backend, world_size = request.param
+    return launch(train_replicas, world_size, backend=backend, timeout=240)
+
+
+@pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_matches_single_process_training(replicas, variant, optimizer_name):
+    for rank, result in enumerate(replicas):
+        expected = result["reference"][optimizer_name.removeprefix("sharded-")]
+        actual = result[variant, optimizer_name]
+        for name, value in expected.items():
+            torch.testing.assert_close(actual[name], value, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"rank {rank}, {name}: {m}")
+
+
+@pytest.mark.parametrize("size", list(BUCKETS))
+def test_buckets_fill_in_reverse_parameter_order(replicas, size):
+    for result in replicas:
+        assert result["buckets"][f"bucketed-{size}"] == BUCKETS[size][1]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_overlapping_variants_launch_all_reduces_during_backward(replicas, variant):
+    """In step 0 every parameter gets a gradient, so every unit launches before backward returns."""
+    expected = {"naive": 0, "flat": 0, "individual": len(TRAINABLE)}
+    expected.update({f"bucketed-{name}": len(layout) for name, (_, layout) in BUCKETS.items()})
+    for result in replicas:
+        assert result["launched_in_backward"][variant] == expected[variant]
+
+
+def test_reference_training_moves_every_trainable_parameter(replicas):
+    """Guards the comparisons above against a model in which nothing trains."""
+    torch.manual_seed(SEED)
+    initial = snapshot(ToyModel())
+    for reference in replicas[0]["reference"].values():
+        for name in TRAINABLE:
+            assert not torch.allclose(reference[name], initial[name])
+        torch.testing.assert_close(reference["frozen.weight"], initial["frozen.weight"], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("bucket_size_mb", [0, -1.0, float("nan")])
+def test_bucketed_rejects_bad_bucket_size(bucket_size_mb):
+    with pytest.raises(ValueError, match="bucket_size_mb"):
+        DDPBucketed(ToyModel(), bucket_size_mb)

@@ -1,0 +1,101 @@
+"""The process-group harness: results come back, faults fail fast and name the rank, nothing outlives
+a call; and the data-parallel training entry point runs under torchrun like one process would."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from systems.ddp_train import TrainSpec, train
+from systems.distributed import RankFailed, RankPool, RankPools, RankTimeout, launch
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FAULT_TIMEOUT = 5.0
+
+
+def sum_of_ranks(scale: float) -> tuple[int, float, int]:
+    total = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(total)
+    return dist.get_rank(), scale * total.item(), dist.get_world_size()
+
+
+def rank_and_pid() -> tuple[int, int]:
+    return dist.get_rank(), os.getpid()
+
+
+def misbehave(fault: str, pid_dir: str) -> str:
+    """Rank 1 commits `fault`; rank 0 is fine. Each rank leaves its pid behind."""
+    pathlib.Path(pid_dir, str(dist.get_rank())).write_text(str(os.getpid()))
+    if dist.get_rank() == 1:
+        if fault == "raise":
+            raise ValueError("bad input on rank 1")
+        if fault == "exit":
+            os._exit(3)
+        time.sleep(3600)
+    return "done"
+
+
+@pytest.mark.parametrize("fault, error, message", [
+    ("raise", RankFailed, r"(?s)rank 1 failed: ValueError: bad input on rank 1\n.*Traceback"),
+    ("exit", RankFailed, "rank 1 exited with code 3"),
+    ("hang", RankTimeout, f"did not finish within {FAULT_TIMEOUT:g} s .*: rank 1$"),
+], ids=["raise", "exit", "hang"])
+def test_a_faulty_rank_fails_the_call_by_name_and_leaves_no_process(tmp_path, fault, error, message):
+    with RankPool(2, timeout=120) as pool:
+        pool.run(rank_and_pid)  # started up: from here on only the fault can be slow
+        start = time.monotonic()
+        with pytest.raises(error, match=message) as raised:
+            pool.run(misbehave, fault, str(tmp_path), timeout=FAULT_TIMEOUT)
+        assert time.monotonic() - start < FAULT_TIMEOUT + 5
+    assert "rank 0" not in str(raised.value)
+    pids = [int(path.read_text()) for path in tmp_path.iterdir()]
+    assert len(pids) == 2
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_pools_run_jobs_in_the_same_ranks_and_start_afresh_after_a_failure(tmp_path):
+    with RankPools(timeout=120) as pools:
+        first = pools.run(2, "gloo", rank_and_pid)
+        assert pools.run(2, "gloo", sum_of_ranks, 10.0) == [(0, 30.0, 2), (1, 30.0, 2)]
+        assert pools.run(2, "gloo", rank_and_pid) == first
+        with pytest.raises(RankFailed, match="rank 1 failed: ValueError: bad input on rank 1"):
+            pools.run(2, "gloo", misbehave, "raise", str(tmp_path))
+        for _, pid in first:  # the failed pool is gone ...
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        fresh = pools.run(2, "gloo", rank_and_pid)  # ... and the next job gets a new one
+    assert [rank for rank, _ in first] == [rank for rank, _ in fresh] == [0, 1]
+    assert {pid for _, pid in first}.isdisjoint(pid for _, pid in fresh)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(world_size=0), dict(world_size=2, backend="mpi"), dict(world_size=2, timeout=0),
+    dict(world_size=torch.cuda.device_count() + 1, backend="nccl"),
+])
+def test_launch_rejects_bad_arguments(bad):
+    with pytest.raises(ValueError):
+        launch(sum_of_ranks, **bad, args=(1.0,))
+
+
+def test_training_under_torchrun_matches_one_process():
+    """Two ranks on halves of each batch reach the losses of one process on the whole batch."""
+    spec = dict(preset="tiny", variant="bucketed", bucket_size_mb=1.0, batch_size=2, context=32, warmup=0, steps=3)
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "-m", "systems.ddp_train", "--backend", "gloo"]
+    command += [f"--{key.replace('_', '-')}={value}" for key, value in spec.items()]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr
+    losses = [float(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("step ")]
+    expected = train(TrainSpec(**spec | dict(variant="single", batch_size=4)))["losses"]
+    assert len(losses) == 3
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)

@@ -1,0 +1,274 @@
+"""The report: tables and plots from benchmark histories, a comparison of two runs, and bad histories."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import matplotlib.image
+import pytest
+
+from systems.accounting import BucketedAllReduce, count_parameters, peak_memory
+from systems.model import get_config
+from systems.report import main
+
+pytest_plugins = ["pytester"]
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MACHINE = "Linux-CPython-3.12-64bit"
+
+
+def bench(fullname: str, mean: float, params: dict | None = None, **extra) -> dict:
+    """One benchmark entry as pytest-benchmark saves it."""
+    name = fullname.split("::")[1]
+    return {"group": None, "name": name, "fullname": fullname, "params": params, "param": name.partition("[")[2][:-1],
+            "extra_info": extra, "options": {},
+            "stats": {"min": 0.9 * mean, "max": 1.1 * mean, "mean": mean, "stddev": 0.05 * mean, "rounds": 5,
+                      "median": mean, "iqr": 0.0, "q1": mean, "q3": mean, "iqr_outliers": 0, "stddev_outliers": 0,
+                      "outliers": "0;0", "ld15iqr": mean, "hd15iqr": mean, "ops": 1 / mean, "total": 5 * mean,
+                      "iterations": 1}}
+
+
+def save_run(storage: pathlib.Path, number: int, benchmarks: list[dict], oom: tuple[str, ...] = (),
+             machine: str = MACHINE, stamp: str = "20260101_120000") -> pathlib.Path:
+    path = storage / machine / f"{number:04d}_abc123_{stamp}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    history = {"machine_info": {"machine": "x86_64", "systems_lab": {"gpu": "NVIDIA H100 80GB HBM3", "gpu_count": 1,
+                                                                       "torch": "2.11.0"}},
+               "commit_info": {"id": "abc123"}, "benchmarks": benchmarks, "datetime": "2026-01-01T12:00:00",
+               "version": "5.2.3",
+               "out_of_memory": [{"name": f.split("::")[1], "fullname": f, "error": "CUDA out of memory"} for f in oom]}
+    path.write_text(json.dumps(history))
+    return path
+
+
+def model_benchmarks(scale: float = 1.0) -> list[dict]:
+    out = []
+    for context in (128, 256):
+        for precision in ("fp32", "bf16"):
+            for phase, seconds in (("forward", 0.01), ("backward", 0.02), ("forward_backward", 0.03), ("step", 0.04)):
+                seconds *= scale * context / 128 * (2 if precision == "fp32" else 1)
+                out.append(bench(f"benches/bench_model.py::test_model[small-ctx{context}-{precision}-eager-{phase}]",
+                                 seconds, preset="small", context=context, precision=precision, compile="eager",
+                                 phase=phase, batch_size=4, attention="sdpa", tflops=100.0 * context / 128,
+                                 peak_memory_mb=1000.0 + context))
+    out += [bench(f"benches/bench_model.py::test_warmup_study[warmup{n}]", 0.5 / (n + 1), preset="small",
+                  context=128, precision="fp32", warmup_steps=n) for n in (0, 1, 2, 5)]
+    return out
+
+
+def attention_benchmarks() -> list[dict]:
+    out = []
+    for seq in (256, 1024):
+        for pass_ in ("forward", "backward"):
+            out.append(bench(f"benches/bench_attention.py::test_handout_sweep[naive-seq{seq}-d16-fp32-{pass_}]",
+                             seq * 1e-6, sweep="handout", impl="naive", batch=8, seq=seq, d=16, precision="fp32",
+                             is_causal=False, **{"pass": pass_}, ms=seq * 1e-3, tflops=1.0,
+                             memory_before_backward_mb=float(seq)))
+        for impl, speed in (("triton", 4), ("sdpa", 5), ("naive", 1)):
+            out.append(bench(f"benches/bench_attention.py::test_flash_sweep[{impl}-seq{seq}-d64-bf16-forward]",
+                             seq * 1e-6 / speed, sweep="flash", impl=impl, batch=1, seq=seq, d=64, precision="bf16",
+                             is_causal=True, **{"pass": "forward"}, tflops=10.0 * speed))
+    out.append(bench("benches/bench_attention.py::test_leaderboard[forward]", 0.002, params={"pass_": "forward"},
+                     do_bench_ms=1.9, sdpa_do_bench_ms=1.5, vs_sdpa=1.9 / 1.5))
+    return out
+
+
+ATTENTION_OOM = ("benches/bench_attention.py::test_handout_sweep[naive-seq16384-d16-fp32-forward]",
+                 "benches/bench_attention.py::test_flash_sweep[naive-seq1024-d128-bf16-forward]")
+
+
+def distributed_benchmarks() -> list[dict]:
+    out = [bench(f"benches/bench_allreduce.py::test_allreduce[nccl-2ranks-{mb}MiB]", 1.0, backend="nccl",
+                 world_size=2, size_mb=float(mb), bytes=mb * 2**20, time_s=1e-5 + mb * 2**20 / 100e9,
+                 algbw_gbps=50.0, busbw_gbps=50.0 * mb / (mb + 1)) for mb in (1, 10, 100)]
+    steps = [("single", None, 1, 0.100, 0.0), ("torch", 25.0, 2, 0.110, 0.0), ("naive", None, 2, 0.150, 0.040),
+             ("bucketed", 1.0, 2, 0.120, 0.012), ("bucketed", 10.0, 2, 0.115, 0.008)]
+    for variant, bucket, ranks, step, wait in steps:
+        name = f"{variant}{f'-{bucket:g}MiB' if variant == 'bucketed' else ''}-fp32-ctx128-{ranks}ranks"
+        out.append(bench(f"benches/bench_ddp.py::test_ddp_step[{name}]", 5.0, preset="small", variant=variant,
+                         bucket_size_mb=bucket, precision="fp32", context=128, batch_size_per_rank=4,
+                         world_size=ranks, backend="nccl", forward_s=0.03, backward_s=0.06, comm_wait_s=wait,
+                         optimizer_s=0.01, step_s=step, comm_share=wait / step))
+    for optimizer, share in (("adamw", 1.0), ("sharded", 0.5)):
+        out.append(bench(f"benches/bench_ddp.py::test_optimizer_memory[2ranks-{optimizer}]", 5.0,
+                         params={"world_size": 2, "optimizer": optimizer}, preset="small", optimizer=optimizer,
+                         world_size=2, precision="fp32", state_mb=[981.0 * share] * 2, unsharded_state_mb=981.0,
+                         state_fraction=share, ideal_fraction=0.5, optimizer_s=0.01, step_s=0.2,
+                         memory_before_step_mb=3000.0 - 500 * (1 - share)))
+    return out
+
+
+def report(tmp_path, *args) -> tuple[int, pathlib.Path]:
+    out = tmp_path / "report"
+    return main(["--storage", str(tmp_path / "storage"), "--out", str(out), *args]), out
+
+
+def table_rows(path: pathlib.Path) -> list[list[str]]:
+    lines = [line for line in path.read_text().splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def test_every_deliverable_gets_its_table_and_plots(tmp_path):
+    save_run(tmp_path / "storage", 1, model_benchmarks() + attention_benchmarks() + distributed_benchmarks(),
+             oom=ATTENTION_OOM)
+    code, out = report(tmp_path)
+    assert code == 0
+    for name in ("model", "precision", "memory", "warmup", "attention_handout", "attention_flash",
+                 "attention_leaderboard", "allreduce", "ddp", "ddp_buckets", "sharded_optimizer"):
+        assert (out / f"{name}.md").read_text() in (out / "report.md").read_text()
+
+    model = table_rows(out / "model.md")
+    assert ["small", "128", "bf16", "eager", "10 ± 0.5", "20 ± 1", "30 ± 1.5", "40 ± 2"] in model
+    assert ["small", "256", "fp32", "eager", "40 ± 2", "80 ± 4", "120 ± 6", "160 ± 8"] in model
+    assert ["small", "128", "eager", "step", "80", "40", "2.00x"] in table_rows(out / "precision.md")
+    predicted = peak_memory(get_config("small", context_length=256), 4, 256, "bf16")
+    assert ["small", "256", "bf16", "eager", "1,256", "1,256", "1,256", "1,256", f"{predicted.forward / 2**20:,.0f}",
+            f"{predicted.forward_backward / 2**20:,.0f}", f"{predicted.train_step / 2**20:,.0f}"] \
+        in table_rows(out / "memory.md")
+    assert [row[0] for row in table_rows(out / "warmup.md")] == ["0", "1", "2", "5"]
+
+    handout = table_rows(out / "attention_handout.md")
+    assert ["naive", "16", "1024", "1.024 ± 0.051", "1.024 ± 0.051", "1024"] in handout
+    assert ["naive", "16", "16384", "OOM", ""] in [row[:5] for row in handout]
+    flash = (out / "attention_flash.md").read_text()
+    assert "| precision | d | seq | pass | naive | sdpa | triton |" in flash
+    assert "| bf16 | 64 | 1024 | forward | 1.024 | 0.2048 | 0.256 |" in flash
+    assert "| bf16 | 128 | 1024 | forward | OOM |" in flash
+    assert ["forward", "2", "1.9", "1.5", "1.267"] in table_rows(out / "attention_leaderboard.md")
+
+    assert ["nccl", "2", "100", f"{(1e-5 + 100 * 2**20 / 100e9) * 1e3:.4g}", "50", f"{50 * 100 / 101:.4g}"] \
+        in table_rows(out / "allreduce.md")
+    ddp = table_rows(out / "ddp.md")
+    assert [row[3] for row in ddp] == ["single", "torch", "naive", "bucketed", "bucketed"]
+    assert ddp[2][:10] == ["fp32", "128", "2", "naive", "", "150", "30", "60", "40", "10"]
+    assert [row[:7] for row in table_rows(out / "ddp_buckets.md")] == [
+        ["fp32", "128", "2", "1", "120", "60", "12"], ["fp32", "128", "2", "10", "115", "60", "8"]]
+    optimizers = table_rows(out / "sharded_optimizer.md")
+    assert ["2", "sharded", "490.5", "981", "0.5", "0.5", "2750", "10", "200"] in optimizers
+
+    for name in ("model_forward", "model_step", "attention_handout_forward", "attention_flash_forward",
+                 "allreduce_bandwidth", "ddp_buckets"):
+        image = matplotlib.image.imread(out / f"{name}.png")
+        assert image.shape[0] > 100 and image.shape[1] > 100 and image.std() > 0
+        assert f"({name}.png)" in (out / "report.md").read_text()
+
+
+def test_bucket_sweep_shows_the_bucket_model(tmp_path):
+    save_run(tmp_path / "storage", 1, distributed_benchmarks())
+    code, out = report(tmp_path)
+    rows = table_rows(out / "ddp_buckets.md")
+    # The all-reduce points lie on time = 10 µs + bytes / 100 GB/s; with 2 ranks busbw equals algbw.
+    model = BucketedAllReduce(backward_seconds=0.06, param_bytes=4 * count_parameters(get_config("small")),
+                              world_size=2, bandwidth=100e9, latency=1e-5)
+    buckets = -(-model.param_bytes // 2**20)
+    assert rows[0][7] == f"{model.overhead(int(buckets)) * 1e3:.4g}"
+    assert float(rows[0][8]) == pytest.approx(model.optimal_bucket_bytes() / 2**20, rel=1e-3)
+
+
+def test_absent_benchmarks_are_absent_from_the_report(tmp_path):
+    save_run(tmp_path / "storage", 1, distributed_benchmarks()[:3])
+    code, out = report(tmp_path)
+    assert code == 0
+    assert sorted(p.name for p in out.iterdir()) == ["allreduce.md", "allreduce_bandwidth.png", "report.md"]
+
+
+def test_unknown_benchmarks_get_a_table_of_their_own(tmp_path):
+    save_run(tmp_path / "storage", 1, [bench("benches/bench_new.py::test_thing[a-1]", 0.003, params={"x": 1},
+                                             kind="a", score=0.5)])
+    code, out = report(tmp_path)
+    assert table_rows(out / "bench_new_test_thing.md") == [["a", "0.5", "1", "3 ± 0.15"]]
+
+
+def test_compare_flags_regressions(tmp_path):
+    storage = tmp_path / "storage"
+    save_run(storage, 1, model_benchmarks(), stamp="20260101_120000")
+    slower = model_benchmarks()
+    slower[0]["stats"]["mean"] *= 2  # small ctx128 fp32 forward
+    slower[1]["stats"]["mean"] *= 0.5
+    save_run(storage, 2, slower[:-1], stamp="20260102_120000")  # without warmup5
+    code, out = report(tmp_path, "--compare", "1")
+    assert code == 0
+    rows = table_rows(out / "comparison.md")
+    assert rows[0] == ["bench_model::test_model[small-ctx128-fp32-eager-forward]", "20", "40", "2.000", "1.000",
+                       "REGRESSION"]
+    assert rows[-1][3:] == ["0.500", "1.000", "faster"]
+    assert all(row[-1] == "" for row in rows[1:-1])
+    text = (out / "comparison.md").read_text()
+    assert "1 of 19 benchmarks slower by more than 10%" in text and "Only in run 0001: 1 of bench_model" in text
+
+
+def test_latest_run_and_machine_by_default(tmp_path):
+    storage = tmp_path / "storage"
+    save_run(storage, 1, model_benchmarks(), stamp="20260101_120000")
+    save_run(storage, 2, distributed_benchmarks(), stamp="20260102_120000")
+    save_run(storage, 1, attention_benchmarks(), machine="Linux-CPython-3.11-64bit", stamp="20251231_120000")
+    assert report(tmp_path)[0] == 0
+    assert (tmp_path / "report" / "report.md").read_text().startswith("# Benchmark report: run 0002")
+    code, out = report(tmp_path, "--run", "0001")
+    assert (out / "model.md").exists() and not (out / "attention_flash.md").exists()
+    code, out = report(tmp_path, "--machine", "Linux-CPython-3.11-64bit")
+    assert (out / "attention_flash.md").exists()
+
+
+@pytest.mark.parametrize("history, args, message", [
+    (None, (), "no benchmark history at"),
+    ("{not json", (), "is not a pytest-benchmark history"),
+    ('{"machine_info": {}}', (), "is not a pytest-benchmark history (KeyError"),
+    ('{"benchmarks": [{"name": "test_x", "fullname": "b.py::test_x"}]}', (), "(KeyError: 'stats')"),
+    ('{"benchmarks": [], "out_of_memory": 3}', (), "is not a pytest-benchmark history (TypeError"),
+    ('{"benchmarks": []}', ("--run", "7"), "run '7' matches 0 files"),
+    ('{"benchmarks": []}', ("--machine", "elsewhere"), "no saved runs for machine 'elsewhere'"),
+], ids=["no-storage", "not-json", "no-benchmarks", "no-stats", "bad-oom", "unknown-run", "unknown-machine"])
+def test_bad_history_is_a_one_line_error(tmp_path, capsys, history, args, message):
+    if history is not None:
+        path = tmp_path / "storage" / MACHINE / "0001_abc_20260101_120000.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(history)
+    code, out = report(tmp_path, *args)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("report: error: ") and message in err and err.count("\n") == 1
+
+
+def test_command_line_error_has_no_traceback(tmp_path):
+    bad = tmp_path / "0001_abc_20260101_120000.json"
+    bad.write_text('{"benchmarks": [{"fullname": 1}]}')
+    proc = subprocess.run([sys.executable, "-m", "systems.report", "--run", str(bad), "--out", str(tmp_path / "o")],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+
+
+BENCH = """
+import pytest
+import torch
+
+POINTS = [(context, phase) for context in (64, 128, 256) for phase in ("forward", "step")]
+
+@pytest.mark.parametrize("context, phase", POINTS, ids=[f"tiny-ctx{c}-fp32-eager-{p}" for c, p in POINTS])
+def test_model(benchmark, skip_on_oom, context, phase):
+    with skip_on_oom:
+        if context == 256 and phase == "step":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        benchmark.pedantic(sum, args=(range(context),), rounds=3)
+    benchmark.extra_info.update(preset="tiny", context=context, precision="fp32", compile="eager", phase=phase,
+                                batch_size=4, tflops=float(context))
+"""
+
+
+def test_report_of_a_real_benchmark_run(pytester, monkeypatch, tmp_path):
+    """pytest-benchmark and the root conftest write the history; the report reads it, OOM point included."""
+    pytester.makeconftest((ROOT / "conftest.py").read_text())
+    pytester.mkdir("benches")
+    (pytester.path / "benches" / "bench_model.py").write_text(BENCH)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    ran = pytester.runpytest_subprocess("benches/bench_model.py", "-p", "no:cacheprovider", "-o",
+                                        "python_files=bench_*.py", "--benchmark-autosave")
+    ran.assert_outcomes(passed=5, skipped=1)
+    assert main(["--storage", str(pytester.path / ".benchmarks"), "--out", str(tmp_path)]) == 0
+    rows = table_rows(tmp_path / "model.md")
+    assert [row[:4] for row in rows] == [["tiny", str(c), "fp32", "eager"] for c in (64, 128, 256)]
+    assert rows[-1][-1] == "OOM" and all(cell.count("±") == 1 for row in rows for cell in row[4:] if cell != "OOM")
+    assert (tmp_path / "model_forward.png").exists()
