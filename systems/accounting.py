@@ -17,7 +17,6 @@ from systems.benchmarking import DTYPES
 from systems.model import ATTENTION_BACKENDS, TransformerConfig
 
 FP32 = 4
-INT64 = 8
 GB = 10**9
 H100_BYTES = 80 * GB
 TPU_V5P_BYTES = 95 * GB
@@ -341,8 +340,10 @@ class BucketedAllReduce:
     latency: float  # seconds per all-reduce call
 
     def __post_init__(self):
-        if self.world_size < 2 or self.bandwidth <= 0 or self.latency < 0 or self.backward_seconds < 0:
-            raise ValueError("need world_size >= 2, bandwidth > 0, and non-negative latency and backward time")
+        if self.world_size < 2 or self.bandwidth <= 0 or self.param_bytes <= 0:
+            raise ValueError("need world_size >= 2 and positive bandwidth and param_bytes")
+        if self.latency < 0 or self.backward_seconds < 0:
+            raise ValueError("latency and backward_seconds must be non-negative")
 
     @property
     def transfer_seconds(self) -> float:

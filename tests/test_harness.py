@@ -36,11 +36,12 @@ def test_device_info_names_versions():
 
 
 @pytest.mark.gpu
-def test_worker_sees_one_gpu_when_distributed(request):
-    """Run with `pytest -n 2 -s -k worker_sees`: each worker prints a different GPU UUID."""
+@pytest.mark.parametrize("case", range(4))
+def test_worker_sees_one_gpu_when_distributed(case):
+    """Run with `pytest -n 2 -rP -k worker_sees`: the workers report different GPU UUIDs."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker is None:
         pytest.skip("only meaningful under pytest-xdist")
     uuid = torch.cuda.get_device_properties(0).uuid
-    print(f"\n{worker}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} uuid={uuid}")
+    print(f"{worker}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} uuid={uuid}")
     assert torch.cuda.device_count() == 1

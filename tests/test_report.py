@@ -75,8 +75,9 @@ def attention_benchmarks() -> list[dict]:
     return out
 
 
-ATTENTION_OOM = ("benches/bench_attention.py::test_handout_sweep[naive-seq16384-d16-fp32-forward]",
-                 "benches/bench_attention.py::test_flash_sweep[naive-seq1024-d128-bf16-forward]")
+OOM = ("benches/bench_attention.py::test_handout_sweep[naive-seq16384-d16-fp32-forward]",
+       "benches/bench_attention.py::test_flash_sweep[naive-seq1024-d128-bf16-forward]",
+       "benches/bench_ddp.py::test_ddp_step[bucketed-100MiB-fp32-ctx128-2ranks]")
 
 
 def distributed_benchmarks() -> list[dict]:
@@ -112,7 +113,7 @@ def table_rows(path: pathlib.Path) -> list[list[str]]:
 
 def test_every_deliverable_gets_its_table_and_plots(tmp_path):
     save_run(tmp_path / "storage", 1, model_benchmarks() + attention_benchmarks() + distributed_benchmarks(),
-             oom=ATTENTION_OOM)
+             oom=OOM)
     code, out = report(tmp_path)
     assert code == 0
     for name in ("model", "precision", "memory", "warmup", "attention_handout", "attention_flash",
@@ -141,7 +142,8 @@ def test_every_deliverable_gets_its_table_and_plots(tmp_path):
     assert ["nccl", "2", "100", f"{(1e-5 + 100 * 2**20 / 100e9) * 1e3:.4g}", "50", f"{50 * 100 / 101:.4g}"] \
         in table_rows(out / "allreduce.md")
     ddp = table_rows(out / "ddp.md")
-    assert [row[3] for row in ddp] == ["single", "torch", "naive", "bucketed", "bucketed"]
+    assert [row[3] for row in ddp] == ["single", "torch", "naive", "bucketed", "bucketed", "bucketed"]
+    assert ddp[-1][:6] == ["fp32", "128", "2", "bucketed", "100", "OOM"]
     assert ddp[2][:10] == ["fp32", "128", "2", "naive", "", "150", "30", "60", "40", "10"]
     assert [row[:7] for row in table_rows(out / "ddp_buckets.md")] == [
         ["fp32", "128", "2", "1", "120", "60", "12"], ["fp32", "128", "2", "10", "115", "60", "8"]]
