@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import zlib
@@ -173,7 +174,6 @@ class _OutOfMemoryGuard:
             return False
         message = str(exc).splitlines()[0]
         del exc, tb  # the traceback pins the tensors; drop it before freeing the cache
-        import gc
         gc.collect()
         torch.cuda.empty_cache()
         self.request.config.stash.setdefault(_OOM_KEY, []).append(
