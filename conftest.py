@@ -146,6 +146,15 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@pytest.fixture
+def exact_fp32_matmuls():
+    """fp32 matmuls without TF32 for one test, so fp32 results can be compared tightly."""
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = previous
+
+
 @pytest.fixture(autouse=True)
 def _seed(request):
     """Fresh random inputs per test, reproducible from the test's id."""

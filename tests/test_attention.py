@@ -159,8 +159,7 @@ def test_flash_attention_uses_triton_on_cuda_and_pytorch_elsewhere(device):
     assert backend == ("FlashAttentionTritonBackward" if device.type == "cuda" else "FlashAttentionPytorchBackward")
 
 
-def test_model_with_flash_backend_matches_naive(device, monkeypatch):
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # both models in exact fp32
+def test_model_with_flash_backend_matches_naive(device, exact_fp32_matmuls):
     naive = TransformerLM(get_config("tiny", attention="naive")).to(device)
     flash = TransformerLM(get_config("tiny", attention="flash")).to(device)
     flash.load_state_dict(naive.state_dict())
