@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -168,8 +169,13 @@ class _OverlappedDDP(_DataParallel):
         super().__init__(module)
         self._unit_of = {param: index for index, unit in enumerate(self.units) for param in unit.params}
         self._reset()
-        for param in self.trainable:
-            param.register_post_accumulate_grad_hook(self._on_gradient)
+        # Autograd keeps hooks where Python's garbage collector cannot see them: a hook holding this
+        # wrapper would keep it, the module and all its memory alive forever. Hooks hold a weak
+        # reference instead, and go away with the wrapper.
+        this = weakref.ref(self)
+        handles = [param.register_post_accumulate_grad_hook(lambda param: this()._on_gradient(param))
+                   for param in self.trainable]
+        weakref.finalize(self, _remove_hooks, handles)
 
     def _reset(self) -> None:
         self._waiting = [len(unit.params) for unit in self.units]  # gradients each unit still needs
@@ -209,6 +215,11 @@ class DDPBucketed(_OverlappedDDP):
 
     def _make_units(self, trainable: list[nn.Parameter]) -> list:
         return [_Bucket(params) for params in fill_buckets(trainable, self.bucket_size_mb)]
+
+
+def _remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _check_bucket_size(bucket_size_mb: float | None) -> None:

@@ -13,6 +13,8 @@ and returns all results; the single-process references run in the same ranks, on
 
 from __future__ import annotations
 
+import gc
+import weakref
 from unittest import mock
 
 import pytest
@@ -114,6 +116,7 @@ def train_replicas() -> dict:
     rank, world_size, device = dist.get_rank(), dist.get_world_size(), rank_device()
     results = {"reference": {name: train_single_process(name, device, world_size) for name in ("sgd", "adamw")},
                "buckets": {}, "launched_in_backward": {}}
+    trained = {}  # variant -> weak reference to its last model
     for variant in VARIANTS:
         for optimizer_name in OPTIMIZERS:
             torch.manual_seed(SEED + rank)
@@ -133,6 +136,10 @@ def train_replicas() -> dict:
         if isinstance(ddp, DDPBucketed):
             names = {param: name for name, param in model.named_parameters()}
             results["buckets"][variant] = [[names[p] for p in unit.params] for unit in ddp.units]
+        trained[variant] = weakref.ref(model)
+    del model, ddp, optimizer
+    gc.collect()
+    results["freed"] = {variant: ref() is None for variant, ref in trained.items()}
     return results
 
 
@@ -170,6 +177,13 @@ def test_overlapping_variants_launch_all_reduces_during_backward(replicas, varia
     expected.update({f"bucketed-{name}": len(layout) for name, (_, layout) in BUCKETS.items()})
     for result in replicas:
         assert result["launched_in_backward"][variant] == expected[variant]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_dropped_wrapper_frees_its_module(replicas, variant):
+    """Gradient hooks must not keep a wrapper, its module and their memory alive once dropped."""
+    for result in replicas:
+        assert result["freed"][variant]
 
 
 def test_reference_training_moves_every_trainable_parameter(replicas):
