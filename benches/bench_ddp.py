@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from systems.accounting import forward_flops
+from systems.accounting import flops
 from systems.benchmarking import record_throughput, record_timings
 from systems.ddp_train import OPTIMIZERS, PHASES, TrainSpec, train
 from systems.distributed import RankPools
@@ -126,8 +126,8 @@ def test_ddp_step(benchmark, point, pools, request, device, skip_on_oom):
     steps = [statistics.median(rank["seconds"]["step"]) for rank in ranks]
     info.update(step_spread_s=max(steps) - min(steps), comm_share=info["comm_wait_s"] / step,
                 tokens_per_s=point.world_size * spec.batch_size * spec.context / step)
-    flops = 3 * forward_flops(get_config(spec.preset), spec.batch_size, spec.context)
-    record_throughput(benchmark, seconds=step, flops=flops, device=device, precision=point.precision)
+    step_flops = flops(get_config(spec.preset), spec.batch_size, spec.context).step
+    record_throughput(benchmark, seconds=step, flops=step_flops, device=device, precision=point.precision)
     record_memory(benchmark, ranks)
     _step_seconds[point.variant, point.precision, point.context, point.world_size] = step
     for key, baseline in (("vs_single", ("single", 1)), ("vs_torch_ddp", ("torch", point.world_size))):

@@ -15,15 +15,13 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from systems.accounting import forward_flops
+from systems.accounting import flops
 from systems.benchmarking import record_throughput, time_on_device
 from systems.model import TransformerLM, get_config
 from systems.optim import AdamW
 from systems.train import backward, forward_loss, random_batch, train_step
 
 PHASES = ("forward", "backward", "forward_backward", "step")
-# FLOPs of each phase in units of one forward pass: backward does twice the forward's matmuls.
-PHASE_FLOPS = {"forward": 1, "backward": 2, "forward_backward": 3, "step": 3}
 WARMUP_STUDY = (0, 1, 2, 5)
 
 
@@ -142,8 +140,10 @@ def run_phase(benchmark, model, phase, point, device, request) -> None:
     )
     if seconds is not None:
         benchmark.extra_info["tokens_per_s"] = batch_size * point.context / seconds
-        flops = PHASE_FLOPS[phase] * forward_flops(model.config, batch_size, point.context)
-        record_throughput(benchmark, seconds=seconds, flops=flops, device=device, precision=point.precision)
+        counts = flops(model.config, batch_size, point.context)
+        phase_flops = {"forward": counts.forward, "backward": counts.backward}.get(phase, counts.step)
+        record_throughput(benchmark, seconds=seconds, flops=phase_flops, device=device,
+                          precision=point.precision)
 
 
 def test_warmup_study(benchmark, warmup, device, request, skip_on_oom):

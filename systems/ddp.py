@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from systems.train import host_to_device
+
 
 class _InPlace:
     """One parameter's gradient, all-reduced in place."""
@@ -125,7 +127,7 @@ class _DataParallel(nn.Module):
     def _complete(self, works: list[dist.Work], had_gradient: list[bool]) -> None:
         """Wait for the units' all-reduces, then put back `None` where no rank had a gradient."""
         # After every unit's all-reduce on every rank, so the sequence of collectives matches.
-        used = _to_device(had_gradient, self.trainable[0].device)
+        used = host_to_device(had_gradient, torch.int32, self.trainable[0].device)
         works.append(dist.all_reduce(used, async_op=True))
         for work in works:
             work.wait()
@@ -225,11 +227,3 @@ def _remove_hooks(handles: list) -> None:
 def _check_bucket_size(bucket_size_mb: float | None) -> None:
     if bucket_size_mb is not None and not bucket_size_mb > 0:
         raise ValueError(f"bucket_size_mb must be positive or None, got {bucket_size_mb}")
-
-
-def _to_device(flags: list[bool], device: torch.device) -> torch.Tensor:
-    flags = torch.tensor(flags, dtype=torch.int32)
-    if device.type == "cuda":
-        # From pinned memory the copy does not wait for the backward still queued on the GPU.
-        return flags.pin_memory().to(device, non_blocking=True)
-    return flags

@@ -6,6 +6,8 @@ import torch
 import triton
 import triton.language as tl
 
+from systems.train import host_to_device
+
 ADAMW_BLOCK = 4096
 
 
@@ -62,13 +64,6 @@ def _chunk_table(numels: tuple[int, ...], device: torch.device) -> tuple[torch.T
             starts.to(device, torch.int64))
 
 
-def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    table = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":  # pinned, so the copy does not wait for the backward pass to finish
-        return table.pin_memory().to(device, non_blocking=True)
-    return table
-
-
 def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr: float, beta1: float, beta2: float,
                eps: float, weight_decay: float) -> None:
     """One AdamW update of many contiguous fp32 tensors, in place, in a single kernel launch.
@@ -82,10 +77,10 @@ def adamw_step(params, grads, exp_avgs, exp_avg_sqs, steps, *, lr: float, beta1:
     bases = [tensors[0] for tensors in lists]
     offsets = [(t.data_ptr() - base.data_ptr()) // 4 for group in zip(*lists) for t, base in zip(group, bases)]
     # Bias corrections differ per tensor where a parameter skipped steps (no gradient).
-    scalars = _to_device([[lr / (1 - beta1**s) for s in steps], [(1 - beta2**s) ** -0.5 for s in steps]],
+    scalars = host_to_device([[lr / (1 - beta1**s) for s in steps], [(1 - beta2**s) ** -0.5 for s in steps]],
                          torch.float32, device)
     numels, chunk_tensor, chunk_start = _chunk_table(tuple(p.numel() for p in params), device)
     _adamw_kernel[(len(chunk_tensor),)](
-        *bases, _to_device(offsets, torch.int64, device), numels, chunk_tensor, chunk_start, scalars[0], scalars[1],
+        *bases, host_to_device(offsets, torch.int64, device), numels, chunk_tensor, chunk_start, scalars[0], scalars[1],
         lr, beta1, beta2, eps, weight_decay, BLOCK=ADAMW_BLOCK, num_warps=8,
     )

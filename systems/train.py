@@ -27,6 +27,15 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=DTYPES[precision])
 
 
+def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small table built on the host, on `device`. Through pinned memory the copy is queued on the
+    stream instead of waiting for the work already queued there (the backward pass, say)."""
+    table = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return table.pin_memory().to(device, non_blocking=True)
+    return table
+
+
 def nvtx_range(name: str):
     """An NVTX range for `nsys profile --capture-range=nvtx`, or nothing off-GPU."""
     if torch.cuda.is_available():

@@ -35,7 +35,7 @@ def test_fused_kernel_matches_torch_update():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sizes, steps = [5000, 1, 4096, 4097, 300], [3, 1, 7, 3, 12]
     tensors = [[torch.randn(n, device=device) for _ in range(4)] for n in sizes]
-    for p, g, m, v in tensors:
+    for *_, v in tensors:
         v.abs_()
     reference = [[t.clone() for t in group] for group in tensors]
     hyper = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
@@ -67,8 +67,10 @@ def test_adamw_skips_parameters_without_gradients():
     used, unused = torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(4))
     before = unused.detach().clone()
     used.grad = torch.randn(4)
-    AdamW([used, unused], lr=0.1).step()
-    assert torch.equal(unused, before) and unused not in AdamW([unused]).state
+    optimizer = AdamW([used, unused], lr=0.1)
+    optimizer.step()
+    assert torch.equal(unused, before)
+    assert unused not in optimizer.state and used in optimizer.state
 
 
 @pytest.mark.parametrize("max_norm", [0.5, 1e3])
