@@ -62,7 +62,8 @@ def pytest_addoption(parser):
     grid.addoption("--compile-mode", choices=["regional", "cudagraphs"], default="regional",
                    help="torch.compile block by block (compile time independent of depth), or the whole "
                         "model with CUDA graphs (no launch overhead; compile time grows with depth)")
-    grid.addoption("--precisions", type=_csv(str), default=["fp32", "bf16"], help="fp32 and/or bf16 (autocast)")
+    grid.addoption("--precisions", type=_csv(str), default=["fp32", "bf16"],
+                   help="fp32, bf16 (autocast), bf16-weights (bf16 weights, fp32 master copies in AdamW)")
     grid.addoption("--batch-size", type=int, default=4)
     grid.addoption("--attention", default="sdpa", help="attention backend of the model benchmarks")
     grid.addoption("--warmup-steps", type=int, default=2, help="untimed steps before each timed benchmark")

@@ -35,6 +35,7 @@ from systems.benchmarking import record_throughput, record_timings
 from systems.ddp_train import OPTIMIZERS, PHASES, TrainSpec, train
 from systems.distributed import RankPools
 from systems.model import get_config
+from systems.train import get_precision
 
 TORCH_DDP_BUCKET_MB = 25.0  # torch's default bucket_cap_mb
 SHARDED_BUCKET_MB = 25.0  # the sharded-optimizer points all train with DDPBucketed at this size
@@ -127,7 +128,8 @@ def test_ddp_step(benchmark, point, pools, request, device, skip_on_oom):
     info.update(step_spread_s=max(steps) - min(steps), comm_share=info["comm_wait_s"] / step,
                 tokens_per_s=point.world_size * spec.batch_size * spec.context / step)
     step_flops = flops(get_config(spec.preset), spec.batch_size, spec.context).step
-    record_throughput(benchmark, seconds=step, flops=step_flops, device=device, precision=point.precision)
+    record_throughput(benchmark, seconds=step, flops=step_flops, device=device,
+                      dtype=get_precision(point.precision).compute)
     record_memory(benchmark, ranks)
     _step_seconds[point.variant, point.precision, point.context, point.world_size] = step
     for key, baseline in (("vs_single", ("single", 1)), ("vs_torch_ddp", ("torch", point.world_size))):

@@ -19,7 +19,7 @@ from systems.accounting import flops
 from systems.benchmarking import record_throughput, time_on_device
 from systems.model import TransformerLM, get_config
 from systems.optim import AdamW
-from systems.train import backward, forward_loss, random_batch, train_step
+from systems.train import backward, forward_loss, get_precision, random_batch, train_step
 
 PHASES = ("forward", "backward", "forward_backward", "step")
 WARMUP_STUDY = (0, 1, 2, 5)
@@ -37,7 +37,7 @@ class ModelPoint:
 
 
 def model_grid(config) -> list[ModelPoint]:
-    """Presets outermost so each model is built once; compiled points after the eager ones."""
+    """Presets outermost so each model is built once per weight dtype; compiled points after the eager ones."""
     opt = config.getoption
     points = []
     for preset in opt("presets"):
@@ -61,21 +61,23 @@ class ModelCache:
         self.device, self.attention, self.context_length = device, attention, context_length
         self.key, self.model = None, None
 
-    def get(self, preset: str, compile: str) -> TransformerLM:
-        if (preset, compile) != self.key:
+    def get(self, point: ModelPoint) -> TransformerLM:
+        key = (point.preset, point.compile, get_precision(point.precision).weights)
+        if key != self.key:
             self.key, self.model = None, None
             gc.collect()
             torch.cuda.empty_cache()
             torch._dynamo.reset()
-            self.model = build_model(preset, compile, self.device, self.attention, self.context_length)
-            self.key = (preset, compile)
+            self.model = build_model(point, self.device, self.attention, self.context_length)
+            self.key = key
         return self.model
 
 
-def build_model(preset, compile, device, attention, context_length) -> TransformerLM:
-    config = get_config(preset, attention=attention, context_length=context_length)
+def build_model(point: ModelPoint, device, attention, context_length) -> TransformerLM:
+    config = get_config(point.preset, attention=attention, context_length=context_length)
     with torch.device(device):
-        model = TransformerLM(config)
+        model = TransformerLM(config).to(get_precision(point.precision).weights)
+    compile = point.compile
     if compile == "regional":
         # Block by block: identical blocks share one compiled graph, so compile time does not grow
         # with depth. Large models lose nothing by it.
@@ -143,7 +145,7 @@ def run_phase(benchmark, model, phase, point, device, request) -> None:
         counts = flops(model.config, batch_size, point.context)
         phase_flops = {"forward": counts.forward, "backward": counts.backward}.get(phase, counts.step)
         record_throughput(benchmark, seconds=seconds, flops=phase_flops, device=device,
-                          precision=point.precision)
+                          dtype=get_precision(point.precision).compute)
 
 
 def test_warmup_study(benchmark, warmup, device, request, skip_on_oom):
@@ -155,7 +157,7 @@ def test_warmup_study(benchmark, warmup, device, request, skip_on_oom):
     point = ModelPoint(opt("presets")[0], opt("contexts")[0], opt("precisions")[0], "eager")
     benchmark.group = "warmup-study"
     with skip_on_oom:
-        model = build_model(point.preset, "eager", device, opt("attention"), point.context)
+        model = build_model(point, device, opt("attention"), point.context)
         tokens, targets = random_batch(model.config, opt("batch_size"), point.context, device)
         time_on_device(benchmark, lambda: backward(forward_loss(model, tokens, targets, point.precision)),
                        device=device, warmup=warmup, rounds=opt("rounds"))
@@ -171,7 +173,7 @@ def warmup(request):
 def test_model(benchmark, point, phase, models, device, request, skip_on_oom):
     benchmark.group = f"model-{phase}"
     with skip_on_oom:
-        model = models.get(point.preset, point.compile)
+        model = models.get(point)
         run_phase(benchmark, model, phase, point, device, request)
 
 
@@ -185,7 +187,7 @@ def test_memory_snapshot(point, snapshot_phase, models, device, request, skip_on
     path = pathlib.Path(out_dir) / f"{point}-{snapshot_phase}.pickle"
     path.parent.mkdir(parents=True, exist_ok=True)
     with skip_on_oom:
-        model = models.get(point.preset, point.compile)
+        model = models.get(point)
         tokens, targets = random_batch(model.config, request.config.getoption("batch_size"), point.context, device)
         optimizer = AdamW(model.parameters(), lr=1e-4)
         train_step(model, optimizer, tokens, targets, point.precision)  # warm: optimizer state exists

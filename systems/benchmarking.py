@@ -19,10 +19,11 @@ PEAK_TFLOPS = {
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def peak_tflops(device: torch.device, precision: str) -> float | None:
-    """The matmul peak that bounds `precision` ("fp32", "bf16", "fp16") on `device`; None off-GPU."""
+def peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The peak of matmuls in `dtype` on `device`; None off-GPU."""
     if device.type != "cuda":
         return None
+    precision = {dtype: name for name, dtype in DTYPES.items()}[dtype]
     if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
         precision = "tf32"  # fp32 matmuls then run on the tensor cores
     name = torch.cuda.get_device_name(device)
@@ -106,11 +107,11 @@ def time_on_device(benchmark, fn, *, device: torch.device, warmup: int, rounds: 
     return benchmark.stats.stats.median if benchmark.stats else None
 
 
-def record_throughput(benchmark, *, seconds: float, flops: float, device: torch.device, precision: str) -> None:
-    """Achieved TFLOP/s and, on a GPU with a known peak, model FLOPs utilization."""
+def record_throughput(benchmark, *, seconds: float, flops: float, device: torch.device, dtype: torch.dtype) -> None:
+    """Achieved TFLOP/s and, on a GPU with a known peak, model FLOPs utilization (matmuls in `dtype`)."""
     tflops = flops / seconds / 1e12
     benchmark.extra_info["tflops"] = tflops
-    peak = peak_tflops(device, precision)
+    peak = peak_tflops(device, dtype)
     if peak is not None:
         benchmark.extra_info["peak_tflops"] = peak
         benchmark.extra_info["mfu"] = tflops / peak

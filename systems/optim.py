@@ -13,9 +13,14 @@ import torch.distributed as dist
 class AdamW(torch.optim.Optimizer):
     """Adam with decoupled weight decay, with the semantics of `torch.optim.AdamW`.
 
-    On CUDA all fp32 parameters of a group are updated by one Triton kernel launch that reads p, g,
-    m, v and writes p, m, v once: 28 bytes per parameter, the floor for this update, and no
-    per-parameter launch overhead. Elsewhere it runs as torch ops.
+    A bf16 or fp16 parameter gets an fp32 master copy in its state: the update runs on the master
+    and the parameter receives it rounded, so small updates are not lost to the low precision. The
+    moments are fp32 for every parameter.
+
+    On CUDA the parameters of a group are updated by one Triton kernel launch per weight dtype that
+    reads p, g, m, v and writes p, m, v once (bf16 weights: g, master, m, v and writes master, m, v, w):
+    28 bytes per parameter, the floor for this update, and no per-parameter launch overhead.
+    Elsewhere it runs as torch ops.
     """
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
@@ -39,21 +44,44 @@ class AdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if not state:
                     state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    if p.dtype in LOW_PRECISION:
+                        state["master"] = p.detach().float()
+                    fp32 = state.get("master", p)
+                    state["exp_avg"] = torch.zeros_like(fp32, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(fp32, memory_format=torch.preserve_format)
                 state["step"] += 1
-            fused = [p for p in params if _fusable(p)]
-            if fused:
-                adamw_update_fused(fused, [self.state[p] for p in fused], **hyper)
+            for dtype in (torch.float32, *LOW_PRECISION):
+                fused = [p for p in params if p.dtype == dtype and _fusable(p)]
+                if fused:
+                    adamw_update_fused(fused, [self.state[p] for p in fused], **hyper)
             for p in params:
                 if not _fusable(p):
                     state = self.state[p]
-                    adamw_update_torch(p, p.grad, state["exp_avg"], state["exp_avg_sq"], step=state["step"], **hyper)
+                    master = state.get("master", p)
+                    adamw_update_torch(master, p.grad.float(), state["exp_avg"], state["exp_avg_sq"],
+                                       step=state["step"], **hyper)
+                    if master is not p:
+                        p.copy_(master)
         return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's, except that the state of a bf16/fp16 parameter stays fp32 (torch would cast it
+        to the parameter's dtype and lose the master copy's precision)."""
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, saved in state_dict["state"].items():
+            param = params[index]
+            if param.dtype in LOW_PRECISION:
+                for key, value in saved.items():
+                    if isinstance(value, torch.Tensor):
+                        self.state[param][key] = value.to(param.device, torch.float32, copy=True)
+
+
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def _fusable(p: torch.Tensor) -> bool:
-    return p.is_cuda and p.dtype == p.grad.dtype == torch.float32 and all(
+    return p.is_cuda and p.dtype == p.grad.dtype and p.dtype in (torch.float32, *LOW_PRECISION) and all(
         t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (p, p.grad))
 
 
@@ -67,11 +95,16 @@ def adamw_update_torch(p, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, we
 
 
 def adamw_update_fused(params, states, *, lr, betas, eps, weight_decay):
-    """The same update for many contiguous fp32 tensors in one Triton launch (systems.kernels)."""
+    """The same update for many contiguous tensors of one dtype in one Triton launch (systems.kernels);
+    bf16/fp16 parameters are updated through the fp32 master copies in their states."""
     from systems.kernels import adamw_step
 
-    adamw_step(params, [p.grad for p in params], [s["exp_avg"] for s in states],
-               [s["exp_avg_sq"] for s in states], [s["step"] for s in states],
+    if params[0].dtype in LOW_PRECISION:
+        masters, weights = [s["master"] for s in states], params
+    else:
+        masters, weights = params, None
+    adamw_step(masters, [p.grad for p in params], [s["exp_avg"] for s in states],
+               [s["exp_avg_sq"] for s in states], [s["step"] for s in states], weights=weights,
                lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
 
 

@@ -29,7 +29,7 @@ ATTENTION_PASSES = ("forward", "backward", "forward_backward")
 DDP_VARIANTS = ("single", "torch", "naive", "flat", "individual", "bucketed")
 KNOWN_MODULES = {"bench_model", "bench_attention", "bench_allreduce", "bench_ddp"}
 # Ids of the points that ran out of memory: they leave no benchmark behind, only their test name.
-MODEL_ID = re.compile(r"\[(?P<preset>[^-\]]+)-ctx(?P<context>\d+)-(?P<precision>\w+)-(?P<compile>\w+)-(?P<phase>\w+)\]")
+MODEL_ID = re.compile(r"\[(?P<preset>[^-\]]+)-ctx(?P<context>\d+)-(?P<precision>[\w-]+)-(?P<compile>\w+)-(?P<phase>\w+)\]")
 ATTENTION_ID = re.compile(r"\[(?P<impl>\w+)-seq(?P<seq>\d+)-d(?P<d>\d+)-(?P<precision>\w+)-(?P<pass>\w+)\]")
 ALLREDUCE_ID = re.compile(r"\[(?P<backend>\w+)-(?P<world_size>\d+)ranks-(?P<size_mb>[\d.]+)MiB\]")
 DDP_ID = re.compile(r"\[(?P<variant>[a-z]+)(?:-(?P<bucket_size_mb>[\d.]+)MiB)?-(?P<precision>[a-z0-9]+)"

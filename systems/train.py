@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 
-from systems.benchmarking import DTYPES
 from systems.model import TransformerConfig, cross_entropy
 
 
@@ -18,13 +18,38 @@ def random_batch(config: TransformerConfig, batch_size: int, seq: int, device: t
     return data[:, :-1], data[:, 1:]
 
 
+@dataclass(frozen=True)
+class Precision:
+    """How a training step runs: the dtype the model's weights are kept in, and the dtype autocast runs
+    matmuls in (fp32: no autocast)."""
+
+    weights: torch.dtype
+    compute: torch.dtype
+
+
+PRECISIONS = {
+    "fp32": Precision(weights=torch.float32, compute=torch.float32),
+    # Autocast: the fp32 weights are cast to bf16 in every forward, their gradients cast back in backward.
+    "bf16": Precision(weights=torch.float32, compute=torch.bfloat16),
+    "fp16": Precision(weights=torch.float32, compute=torch.float16),
+    # bf16 weights, with fp32 master copies kept by AdamW: no per-step casts of the weights, and the
+    # gradients and the residual stream in bf16. Autocast still runs the ops it keeps in fp32 in fp32.
+    "bf16-weights": Precision(weights=torch.bfloat16, compute=torch.bfloat16),
+}
+
+
+def get_precision(name: str) -> Precision:
+    if name not in PRECISIONS:
+        raise ValueError(f"unknown precision {name!r}; choose from {list(PRECISIONS)}")
+    return PRECISIONS[name]
+
+
 def autocast(device: torch.device, precision: str):
-    """bf16/fp16 autocast around the forward pass; fp32 runs without it."""
-    if precision not in DTYPES:
-        raise ValueError(f"unknown precision {precision!r}; choose from {list(DTYPES)}")
-    if precision == "fp32":
+    """Autocast to the precision's compute dtype around the forward pass; fp32 runs without it."""
+    compute = get_precision(precision).compute
+    if compute == torch.float32:
         return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=DTYPES[precision])
+    return torch.autocast(device.type, dtype=compute)
 
 
 def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:

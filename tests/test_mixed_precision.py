@@ -58,3 +58,28 @@ def test_accumulation_error_ordering():
     errors = {name: abs(t.item() - exact) for name, t in dict(fp32=fp32, fp16=fp16, mixed=mixed).items()}
     assert errors["fp32"] < errors["mixed"] < errors["fp16"]
     assert errors["fp32"] < 1e-3 and errors["fp16"] > 0.01
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_bf16_weights_training_tracks_fp32(device):
+    """Training with bf16 weights (fp32 master copies in AdamW) follows fp32 training: bf16 parameters,
+    fp32 optimizer state, and losses within bf16's resolution of fp32's."""
+    from systems.model import TransformerLM, get_config
+    from systems.optim import AdamW
+    from systems.train import get_precision, random_batch, train_step
+
+    device = torch.device(device)
+    config = get_config("tiny", attention="sdpa")
+    fp32 = TransformerLM(config).to(device)
+    bf16 = TransformerLM(config).to(device)
+    bf16.load_state_dict(fp32.state_dict())
+    bf16.to(get_precision("bf16-weights").weights)
+    tokens, targets = random_batch(config, 4, 32, device)
+    runs = {}
+    for name, model, precision in (("fp32", fp32, "fp32"), ("bf16", bf16, "bf16-weights")):
+        optimizer = AdamW(model.parameters(), lr=1e-3)
+        runs[name] = [train_step(model, optimizer, tokens, targets, precision).item() for _ in range(5)]
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    assert {s["master"].dtype for s in optimizer.state.values()} == {torch.float32}
+    assert runs["bf16"][-1] < runs["bf16"][0]
+    torch.testing.assert_close(torch.tensor(runs["bf16"]), torch.tensor(runs["fp32"]), rtol=2e-2, atol=0)

@@ -28,7 +28,8 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 # (128, 64, 8, 3) dQ. Sequences shorter than TUNE_FROM_SEQ run one fixed tile: there, autotuning costs
 # more time (a compile per config) than it can save.
 TUNE_FROM_SEQ = 2048
-FWD_TILES = [(64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 3)]
+FWD_TILES = [(64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 3),
+             (32, 32, 4, 3)]
 DKDV_TILES = [(64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 4), (64, 128, 8, 3), (32, 128, 8, 3), (16, 64, 4, 3)]
 DQ_TILES = [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 4, 5), (128, 64, 8, 2), (64, 16, 4, 3)]
 if INTERPRETING:
@@ -316,11 +317,27 @@ _KERNELS = {
     "dkdv": (_autotuned(_bwd_dkdv_kernel, [SHORT_TILES["dkdv"]]), _autotuned(_bwd_dkdv_kernel, DKDV_TILES)),
     "dq": (_autotuned(_bwd_dq_kernel, [SHORT_TILES["dq"]]), _autotuned(_bwd_dq_kernel, DQ_TILES)),
 }
+_chosen: dict[tuple, triton.Config] = {}  # (kernel, dtype, shape arguments) -> the autotuner's pick
 
 
-def _kernel(name: str, n_queries: int, n_keys: int):
+def _launch(name: str, grid, *args, dtype: torch.dtype, **shape) -> None:
+    """Run kernel `name`: a shape's first call through the autotuner, later calls straight to its choice.
+
+    Skipping the autotuner's per-call bookkeeping (it rebuilds its key from every argument) saves tens of
+    microseconds a launch, which is most of the host time of short sequences.
+    """
     short, tuned = _KERNELS[name]
-    return tuned if max(n_queries, n_keys) >= TUNE_FROM_SEQ and not INTERPRETING else short
+    kernel = tuned if max(shape["n_queries"], shape["n_keys"]) >= TUNE_FROM_SEQ and not INTERPRETING else short
+    if torch.compiler.is_compiling():  # the autotuner goes into the compiled graph as it is
+        kernel[grid](*args, **shape)
+        return
+    key = (name, dtype, *shape.values())
+    config = _chosen.get(key)
+    if config is None:
+        kernel[grid](*args, **shape)
+        _chosen[key] = kernel.best_config
+    else:
+        kernel.fn[grid](*args, **shape, **config.all_kwargs())
 
 
 def _shape_args(q: torch.Tensor, k: torch.Tensor) -> dict:
@@ -342,10 +359,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool)
     batch, heads, n_queries, _ = q.shape
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q.device)
-    kernel = _kernel("fwd", n_queries, k.shape[2])
     grid = lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), heads, batch)  # noqa: E731
-    kernel[grid](q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-                 CAUSAL=is_causal, **_shape_args(q, k))
+    _launch("fwd", grid, q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), dtype=q.dtype,
+            CAUSAL=is_causal, **_shape_args(q, k))
     return o, lse
 
 
@@ -362,14 +378,12 @@ def _backward(q, k, v, o, do, lse, is_causal: bool) -> tuple[torch.Tensor, torch
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    kernel = _kernel("dkdv", n_queries, n_keys)
     grid = lambda meta: (triton.cdiv(n_keys, meta["BLOCK_N"]), heads, batch)  # noqa: E731
-    kernel[grid](q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-                 *dk.stride(), *dv.stride(), CAUSAL=is_causal, **shape)
-    kernel = _kernel("dq", n_queries, n_keys)
+    _launch("dkdv", grid, q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+            *dk.stride(), *dv.stride(), dtype=q.dtype, CAUSAL=is_causal, **shape)
     grid = lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), heads, batch)  # noqa: E731
-    kernel[grid](q, k, v, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-                 *dq.stride(), CAUSAL=is_causal, **shape)
+    _launch("dq", grid, q, k, v, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+            *dq.stride(), dtype=q.dtype, CAUSAL=is_causal, **shape)
     return dq, dk, dv
 
 
