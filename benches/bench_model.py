@@ -77,13 +77,12 @@ def build_model(point: ModelPoint, device, attention, context_length) -> Transfo
     config = get_config(point.preset, attention=attention, context_length=context_length)
     with torch.device(device):
         model = TransformerLM(config).to(get_precision(point.precision).weights)
-    compile = point.compile
-    if compile == "regional":
+    if point.compile == "regional":
         # Block by block: identical blocks share one compiled graph, so compile time does not grow
         # with depth. Large models lose nothing by it.
         for block in model.blocks:
             block.compile(dynamic=False)
-    elif compile == "cudagraphs":
+    elif point.compile == "cudagraphs":
         # The whole model, replayed as CUDA graphs: small models are bound by kernel launches, and
         # only graph replay takes the CPU out of the step. Compile time grows with depth.
         model.compile(mode="reduce-overhead", dynamic=False)

@@ -17,13 +17,14 @@ PEAK_TFLOPS = {
 }
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 
 
 def peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """The peak of matmuls in `dtype` on `device`; None off-GPU."""
-    if device.type != "cuda":
+    """The peak of matmuls in `dtype` on `device`; None off-GPU or for a dtype without one."""
+    if device.type != "cuda" or dtype not in DTYPE_NAMES:
         return None
-    precision = {dtype: name for name, dtype in DTYPES.items()}[dtype]
+    precision = DTYPE_NAMES[dtype]
     if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
         precision = "tf32"  # fp32 matmuls then run on the tensor cores
     name = torch.cuda.get_device_name(device)

@@ -50,18 +50,17 @@ class AdamW(torch.optim.Optimizer):
                     state["exp_avg"] = torch.zeros_like(fp32, memory_format=torch.preserve_format)
                     state["exp_avg_sq"] = torch.zeros_like(fp32, memory_format=torch.preserve_format)
                 state["step"] += 1
-            for dtype in (torch.float32, *LOW_PRECISION):
-                fused = [p for p in params if p.dtype == dtype and _fusable(p)]
-                if fused:
-                    adamw_update_fused(fused, [self.state[p] for p in fused], **hyper)
-            for p in params:
-                if not _fusable(p):
-                    state = self.state[p]
-                    master = state.get("master", p)
-                    adamw_update_torch(master, p.grad.float(), state["exp_avg"], state["exp_avg_sq"],
-                                       step=state["step"], **hyper)
-                    if master is not p:
-                        p.copy_(master)
+            fusable = [_fusable(p) for p in params]
+            for dtype in {p.dtype for p, fuse in zip(params, fusable) if fuse}:  # one launch per weight dtype
+                fused = [p for p, fuse in zip(params, fusable) if fuse and p.dtype == dtype]
+                adamw_update_fused(fused, [self.state[p] for p in fused], **hyper)
+            for p in (p for p, fuse in zip(params, fusable) if not fuse):
+                state = self.state[p]
+                master = state.get("master", p)
+                adamw_update_torch(master, p.grad.float(), state["exp_avg"], state["exp_avg_sq"],
+                                   step=state["step"], **hyper)
+                if master is not p:
+                    p.copy_(master)
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:

@@ -100,6 +100,17 @@ def test_triton_matches_reference_on_gpu(flash_triton, case):
     check_against_reference(flash_triton.apply, case, torch.device("cuda"))
 
 
+def test_triton_second_call_of_a_shape_uses_the_remembered_tiles(flash_triton, device):
+    """A shape's first call goes through the autotuner; later ones launch its choice directly, and
+    must compute the same attention."""
+    from systems.attention import triton_kernels
+
+    case = Case(2, 3, 40, 56, 32, True, torch.float32, "sliced", 5)
+    check_against_reference(flash_triton.apply, case, device)
+    assert {"fwd", "dkdv", "dq"} <= {key[0] for key in triton_kernels._chosen}
+    check_against_reference(flash_triton.apply, case, device)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [
     Case(1, None, 16384, 16384, 64, True, torch.bfloat16, "contiguous", 0),
