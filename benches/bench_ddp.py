@@ -6,6 +6,7 @@ The grid comes from the command line (conftest.py): --ddp-preset, --batch-size (
 steps). The backend is NCCL with one GPU per rank where CUDA is available, gloo on CPU otherwise.
 Every rank trains on its own --batch-size rows (systems.ddp_train.train), so the single-process
 point does the work of one rank and the ratio `vs_single` is the cost of data parallelism.
+With --precisions bf16-weights the gradients, and so the all-reduces, are bf16: half the bytes.
 
 extra_info of a step point: the step and its phases in seconds (forward, backward, comm_wait:
 waiting in finish_gradient_synchronization for the all-reduces, optimizer), each the mean over

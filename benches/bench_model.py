@@ -19,7 +19,7 @@ from systems.accounting import flops
 from systems.benchmarking import record_throughput, time_on_device
 from systems.model import TransformerLM, get_config
 from systems.optim import AdamW
-from systems.train import backward, forward_loss, get_precision, random_batch, train_step
+from systems.train import backward, forward_loss, get_precision, make_model, random_batch, train_step
 
 PHASES = ("forward", "backward", "forward_backward", "step")
 WARMUP_STUDY = (0, 1, 2, 5)
@@ -75,8 +75,7 @@ class ModelCache:
 
 def build_model(point: ModelPoint, device, attention, context_length) -> TransformerLM:
     config = get_config(point.preset, attention=attention, context_length=context_length)
-    with torch.device(device):
-        model = TransformerLM(config).to(get_precision(point.precision).weights)
+    model = make_model(config, device, point.precision)
     if point.compile == "regional":
         # Block by block: identical blocks share one compiled graph, so compile time does not grow
         # with depth. Large models lose nothing by it.

@@ -18,6 +18,11 @@ got no gradient on any rank keeps `grad=None`, as in single-process training, so
 it. The overlapped variants launch their all-reduces strictly in order, so every rank issues the
 same sequence of collectives even when a parameter is unused on some ranks: that never hangs,
 it only delays the later launches to `finish_gradient_synchronization`.
+
+Gradients are all-reduced in their own dtype, the parameters' (autograd keeps them so): with bf16
+weights the all-reduces move half the bytes of fp32 ones, and the sum is rounded to bf16 as it
+accumulates (at every hop of a ring), as in torch's DistributedDataParallel. Each rank divides by
+the world size before the sum, which is exact for a power of two.
 """
 
 from __future__ import annotations
@@ -61,6 +66,7 @@ class _Bucket:
         offsets = [0]
         for param in params:
             offsets.append(offsets[-1] + param.numel() + -param.numel() % align)
+        # The gradients' dtype: a gradient has its parameter's, and a bucket holds one (fill_buckets).
         self.buffer = torch.zeros(offsets[-1], dtype=params[0].dtype, device=params[0].device)
         self.views = [self.buffer[start:start + p.numel()].view_as(p) for start, p in zip(offsets, params)]
 

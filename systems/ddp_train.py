@@ -27,12 +27,12 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from systems.benchmarking import DTYPES, synchronize
+from systems.benchmarking import synchronize
 from systems.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP
 from systems.distributed import init_from_env, rank_device
-from systems.model import PRESETS, TransformerLM, get_config
+from systems.model import PRESETS, get_config
 from systems.optim import AdamW, ShardedOptimizer
-from systems.train import backward, forward_loss, optimizer_step, random_batch
+from systems.train import PRECISIONS, backward, forward_loss, make_model, optimizer_step, random_batch
 
 VARIANTS = ("single", "naive", "flat", "individual", "bucketed", "torch")
 OPTIMIZERS = ("adamw", "sharded", "zero")
@@ -45,7 +45,7 @@ class TrainSpec:
     variant: str = "bucketed"
     bucket_size_mb: float | None = 25.0  # bucketed and torch; None: one bucket (bucketed only)
     optimizer: str = "adamw"
-    precision: str = "fp32"
+    precision: str = "fp32"  # systems.train.PRECISIONS; bf16-weights all-reduces bf16 gradients
     batch_size: int = 4  # per rank
     context: int = 128
     warmup: int = 2
@@ -56,7 +56,7 @@ class TrainSpec:
     def __post_init__(self):
         for field, value, choices in (("preset", self.preset, PRESETS), ("variant", self.variant, VARIANTS),
                                       ("optimizer", self.optimizer, OPTIMIZERS),
-                                      ("precision", self.precision, DTYPES)):
+                                      ("precision", self.precision, PRECISIONS)):
             if value not in choices:
                 raise ValueError(f"unknown {field} {value!r}; choose from {list(choices)}")
         if self.variant == "torch" and self.bucket_size_mb is None:
@@ -141,9 +141,7 @@ def train(spec: TrainSpec) -> dict:
     torch.manual_seed(spec.seed + rank)  # ranks start apart; the wrapper broadcasts rank 0's weights
     _reset_peak(device)
     config = get_config(spec.preset, context_length=spec.context)
-    with torch.device(device):
-        model = TransformerLM(config)
-    model = wrap(model, spec, device)
+    model = wrap(make_model(config, device, spec.precision), spec, device)
     optimizer = build_optimizer(model.module if spec.variant != "single" else model, spec)
     memory = {"construction": _peak_mb(device)}
     data = torch.Generator().manual_seed(spec.seed)  # one stream of global batches, the same on every rank

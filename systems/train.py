@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from systems.model import TransformerConfig, cross_entropy
+from systems.model import TransformerConfig, TransformerLM, cross_entropy
 
 
 def random_batch(config: TransformerConfig, batch_size: int, seq: int, device: torch.device,
@@ -42,6 +42,13 @@ def get_precision(name: str) -> Precision:
     if name not in PRECISIONS:
         raise ValueError(f"unknown precision {name!r}; choose from {list(PRECISIONS)}")
     return PRECISIONS[name]
+
+
+def make_model(config: TransformerConfig, device: torch.device, precision: str) -> TransformerLM:
+    """A fresh model on `device`, its weights in the precision's weight dtype. It is initialized in fp32
+    and then cast, so one seed gives every precision the same starting weights, up to rounding."""
+    with torch.device(device):
+        return TransformerLM(config).to(get_precision(precision).weights)
 
 
 def autocast(device: torch.device, precision: str):

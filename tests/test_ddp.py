@@ -7,8 +7,11 @@ losses. The toy model ties its output layer to its embedding and has a layer use
 ranks in step 0, on none in step 1 (its gradient must stay None, or weight decay would touch
 it) and on one rank only in steps 2 and 3. Optimizers: SGD with momentum and weight decay (which
 catches a sum where a mean belongs), AdamW, and ShardedOptimizer(AdamW), checked against
-single-process AdamW. One spawn per process group runs every variant, bucket size and optimizer
-and returns all results; the single-process references run in the same ranks, on the same device.
+single-process AdamW. Every variant also trains with bf16 weights (so bf16 gradients and
+all-reduces; AdamW keeps fp32 master copies; autocast on) and must match single-process training
+with bf16 weights to within bf16 rounding. One spawn per process group runs every variant, bucket
+size, optimizer and precision and returns all results; the single-process references run in the
+same ranks, on the same device.
 """
 
 from __future__ import annotations
@@ -23,14 +26,16 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from systems.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP
+from systems.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP, fill_buckets
 from systems.distributed import launch, rank_device
 from systems.optim import AdamW, ShardedOptimizer
+from systems.train import autocast, get_precision
 
 VOCAB, WIDTH, ROWS_PER_RANK, SEQ, STEPS, SEED = 23, 8, 3, 5, 4, 1234
 TRAINABLE = ["norm.bias", "norm.weight", "sometimes.bias", "sometimes.weight", "hidden.bias", "hidden.weight",
              "embed.weight"]  # reverse registration order; head.weight is embed.weight
-# Bucket sizes: below every parameter; 90 floats (a few buckets); everything in one bucket.
+# Bucket sizes, with their layouts of the fp32 parameters: below every parameter; 90 floats (a few
+# buckets); everything in one bucket.
 BUCKETS = {
     "per-parameter": (1e-9, [[name] for name in TRAINABLE]),
     "few": (90 * 4 / 2**20, [TRAINABLE[:4], TRAINABLE[4:6], TRAINABLE[6:]]),
@@ -38,6 +43,13 @@ BUCKETS = {
 }
 VARIANTS = ["naive", "flat", "individual"] + [f"bucketed-{name}" for name in BUCKETS]
 OPTIMIZERS = ["sgd", "adamw", "sharded-adamw"]  # sharded-adamw is checked against single-process AdamW
+PRECISIONS = ["fp32", "bf16-weights"]
+# bf16 weights train with AdamW only: its fp32 master copies keep the small updates that SGD would round away.
+RUNS = [(name, "fp32") for name in OPTIMIZERS] + [("adamw", "bf16-weights"), ("sharded-adamw", "bf16-weights")]
+# bf16: the ranks' gradients are summed in another order than one process sums them, which moves
+# a weight by a bf16 rounding or two (2**-8 to 2**-7 relative each); unsynchronized gradients move
+# about half of every weight's elements far beyond that.
+TOLERANCE = {"fp32": dict(rtol=1e-5, atol=1e-6), "bf16-weights": dict(rtol=3e-2, atol=1e-3)}
 ADAMW = dict(lr=0.02, weight_decay=0.1)
 
 
@@ -64,14 +76,19 @@ class ToyModel(nn.Module):
         return self.head(self.norm(x))  # (rows, seq, vocab)
 
 
+def toy_model(precision: str, device) -> ToyModel:
+    return ToyModel().to(device, get_precision(precision).weights)
+
+
 def uses_sometimes(step: int, rank: int, world_size: int) -> bool:
     return [True, False, rank == 0, rank == world_size - 1][step]
 
 
-def slice_loss(model, tokens, targets, step, rank, world_size) -> torch.Tensor:
+def slice_loss(model, tokens, targets, step, rank, world_size, precision) -> torch.Tensor:
     rows = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
-    logits = model(tokens[rows], uses_sometimes(step, rank, world_size))
-    return F.cross_entropy(logits.flatten(0, 1), targets[rows].flatten())
+    with autocast(tokens.device, precision):
+        logits = model(tokens[rows], uses_sometimes(step, rank, world_size))
+        return F.cross_entropy(logits.flatten(0, 1), targets[rows].flatten())
 
 
 def make_optimizer(name: str, params) -> torch.optim.Optimizer:
@@ -99,12 +116,13 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().cpu().clone() for name, tensor in model.state_dict().items()}
 
 
-def train_single_process(optimizer_name: str, device, world_size: int) -> dict[str, torch.Tensor]:
+def train_single_process(optimizer_name: str, precision: str, device, world_size: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(SEED)  # rank 0's seed
-    model = ToyModel().to(device)
+    model = toy_model(precision, device)
     optimizer = make_optimizer(optimizer_name, model.parameters())
     for step, tokens, targets in batches(device, world_size):
-        losses = [slice_loss(model, tokens, targets, step, rank, world_size) for rank in range(world_size)]
+        losses = [slice_loss(model, tokens, targets, step, rank, world_size, precision)
+                  for rank in range(world_size)]
         torch.stack(losses).mean().backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -112,30 +130,34 @@ def train_single_process(optimizer_name: str, device, world_size: int) -> dict[s
 
 
 def train_replicas() -> dict:
-    """On every rank: all variants and optimizers, the references, and the bucket layouts."""
+    """On every rank: all variants, optimizers and precisions, the references, and the bucket layouts."""
     rank, world_size, device = dist.get_rank(), dist.get_world_size(), rank_device()
-    results = {"reference": {name: train_single_process(name, device, world_size) for name in ("sgd", "adamw")},
-               "buckets": {}, "launched_in_backward": {}}
+    results = {"reference": {(name, precision): train_single_process(name, precision, device, world_size)
+                             for name, precision in RUNS if name in ("sgd", "adamw")},
+               "buckets": {}, "launched_in_backward": {}, "reduced_dtypes": {}}
     trained = {}  # variant -> weak reference to its last model
     for variant in VARIANTS:
-        for optimizer_name in OPTIMIZERS:
+        for optimizer_name, precision in RUNS:
             torch.manual_seed(SEED + rank)
-            model = ToyModel().to(device)
+            model = toy_model(precision, device)
             ddp = wrap(variant, model)
             optimizer = make_optimizer(optimizer_name, ddp.parameters())
             for step, tokens, targets in batches(device, world_size):
-                loss = slice_loss(ddp, tokens, targets, step, rank, world_size)
+                loss = slice_loss(ddp, tokens, targets, step, rank, world_size, precision)
                 with mock.patch.object(dist, "all_reduce", wraps=dist.all_reduce) as all_reduce:
                     loss.backward()
+                    launched_in_backward = all_reduce.call_count
+                    ddp.finish_gradient_synchronization()
                 if step == 0:
-                    results["launched_in_backward"][variant] = all_reduce.call_count
-                ddp.finish_gradient_synchronization()
+                    results["launched_in_backward"][variant, precision] = launched_in_backward
+                    reduced = [call.args[0] for call in all_reduce.call_args_list]  # gradients, and int32 flags
+                    results["reduced_dtypes"][variant, precision] = {t.dtype for t in reduced if t.is_floating_point()}
                 optimizer.step()
                 optimizer.zero_grad()
-            results[variant, optimizer_name] = snapshot(model)
-        if isinstance(ddp, DDPBucketed):
-            names = {param: name for name, param in model.named_parameters()}
-            results["buckets"][variant] = [[names[p] for p in unit.params] for unit in ddp.units]
+            results[variant, optimizer_name, precision] = snapshot(model)
+            if isinstance(ddp, DDPBucketed):
+                names = {param: name for name, param in model.named_parameters()}
+                results["buckets"][variant, precision] = [[names[p] for p in unit.params] for unit in ddp.units]
         trained[variant] = weakref.ref(model)
     del model, ddp, optimizer
     gc.collect()
@@ -153,21 +175,29 @@ def replicas(request) -> list[dict]:
     return launch(train_replicas, world_size, backend=backend, timeout=240)
 
 
-@pytest.mark.parametrize("optimizer_name", OPTIMIZERS)
+@pytest.mark.parametrize("optimizer_name, precision", RUNS, ids=["-".join(run) for run in RUNS])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_matches_single_process_training(replicas, variant, optimizer_name):
+def test_matches_single_process_training(replicas, variant, optimizer_name, precision):
     for rank, result in enumerate(replicas):
-        expected = result["reference"][optimizer_name.removeprefix("sharded-")]
-        actual = result[variant, optimizer_name]
+        expected = result["reference"][optimizer_name.removeprefix("sharded-"), precision]
+        actual = result[variant, optimizer_name, precision]
         for name, value in expected.items():
-            torch.testing.assert_close(actual[name], value, rtol=1e-5, atol=1e-6,
+            torch.testing.assert_close(actual[name], value, **TOLERANCE[precision],
                                        msg=lambda m: f"rank {rank}, {name}: {m}")
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_gradients_are_all_reduced_in_the_weights_dtype(replicas, variant, precision):
+    """bf16 weights have bf16 gradients: the all-reduces move half the bytes of fp32 ones."""
+    for result in replicas:
+        assert result["reduced_dtypes"][variant, precision] == {get_precision(precision).weights}
 
 
 @pytest.mark.parametrize("size", list(BUCKETS))
 def test_buckets_fill_in_reverse_parameter_order(replicas, size):
     for result in replicas:
-        assert result["buckets"][f"bucketed-{size}"] == BUCKETS[size][1]
+        assert result["buckets"][f"bucketed-{size}", "fp32"] == BUCKETS[size][1]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -176,7 +206,7 @@ def test_overlapping_variants_launch_all_reduces_during_backward(replicas, varia
     expected = {"naive": 0, "flat": 0, "individual": len(TRAINABLE)}
     expected.update({f"bucketed-{name}": len(layout) for name, (_, layout) in BUCKETS.items()})
     for result in replicas:
-        assert result["launched_in_backward"][variant] == expected[variant]
+        assert result["launched_in_backward"][variant, "fp32"] == expected[variant]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -188,12 +218,20 @@ def test_a_dropped_wrapper_frees_its_module(replicas, variant):
 
 def test_reference_training_moves_every_trainable_parameter(replicas):
     """Guards the comparisons above against a model in which nothing trains."""
-    torch.manual_seed(SEED)
-    initial = snapshot(ToyModel())
-    for reference in replicas[0]["reference"].values():
+    for (_, precision), reference in replicas[0]["reference"].items():
+        torch.manual_seed(SEED)
+        initial = snapshot(toy_model(precision, "cpu"))
         for name in TRAINABLE:
             assert not torch.allclose(reference[name], initial[name])
         torch.testing.assert_close(reference["frozen.weight"], initial["frozen.weight"], rtol=0, atol=0)
+
+
+def test_a_change_of_dtype_starts_a_new_bucket():
+    """A bucket is one flat tensor, so gradients of different dtypes never share one."""
+    dtypes = [torch.float32, torch.float32, torch.bfloat16, torch.float32]
+    params = [nn.Parameter(torch.zeros(2, dtype=dtype)) for dtype in dtypes]
+    buckets = fill_buckets(params, None)
+    assert [[p.dtype for p in bucket] for bucket in buckets] == [dtypes[:2], dtypes[2:3], dtypes[3:]]
 
 
 @pytest.mark.parametrize("bucket_size_mb", [0, -1.0, float("nan")])

@@ -1,5 +1,6 @@
 """The process-group harness: results come back, faults fail fast and name the rank, nothing outlives
-a call; and the data-parallel training entry point runs under torchrun like one process would."""
+a call; and the data-parallel training entry point runs under torchrun like one process would, and
+trains bf16 weights through fp32 master copies."""
 
 from __future__ import annotations
 
@@ -13,8 +14,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from systems.accounting import count_parameters
 from systems.ddp_train import TrainSpec, train
 from systems.distributed import RankFailed, RankPool, RankPools, RankTimeout, launch
+from systems.model import get_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FAULT_TIMEOUT = 5.0
@@ -99,3 +102,10 @@ def test_training_under_torchrun_matches_one_process():
     expected = train(TrainSpec(**spec | dict(variant="single", batch_size=4)))["losses"]
     assert len(losses) == 3
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
+
+
+@pytest.mark.parametrize("precision, bytes_per_parameter", [("fp32", 8), ("bf16-weights", 12)])
+def test_training_keeps_an_fp32_master_copy_of_bf16_weights(precision, bytes_per_parameter):
+    """AdamW's state is two fp32 moments per parameter, and for a bf16 weight an fp32 master copy too."""
+    spec = TrainSpec(preset="tiny", variant="single", precision=precision, batch_size=1, context=8, warmup=0, steps=1)
+    assert train(spec)["state_bytes"] == bytes_per_parameter * count_parameters(get_config("tiny"))

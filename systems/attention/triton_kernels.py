@@ -2,13 +2,19 @@
 
 All kernels take strided (batch, heads, seq, d) views and pad the head dim to a power of two with masks.
 Scores are kept in base 2 (log2(e) folded into the scale) so the softmax runs on exp2; the saved
-log-sum-exp is in natural-log units, as `attention_reference` returns it. The backward follows Triton's
-fused-attention tutorial: D = rowsum(O ∘ dO), then one kernel owns a key tile and sums dK, dV over query
-tiles, another owns a query tile and sums dQ over key tiles, so nothing needs atomics.
+log-sum-exp is in natural-log units, as `attention_reference` returns it.
+
+When batch × heads is too small to fill the GPU (one long sequence), the forward splits each query tile's
+keys over several programs and a second kernel merges their partial outputs by their log-sum-exps, as
+flash-decoding does. The backward follows Triton's fused-attention tutorial: D = rowsum(O ∘ dO), then one
+kernel owns a key tile and sums dK, dV over query tiles, another owns a query tile and sums dQ over key
+tiles, so nothing needs atomics. (A FlashAttention-2 style single kernel that adds dQ with fp32 atomics
+measured slower on the H100: 4.2 ms against 3.7 ms for the two kernels at (16, 16384, 64) causal.)
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 
@@ -28,8 +34,7 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 # (128, 64, 8, 3) dQ. Sequences shorter than TUNE_FROM_SEQ run one fixed tile: there, autotuning costs
 # more time (a compile per config) than it can save.
 TUNE_FROM_SEQ = 2048
-FWD_TILES = [(64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 3),
-             (32, 32, 4, 3)]
+FWD_TILES = [(64, 64, 4, 3), (64, 64, 4, 4), (128, 64, 8, 4), (128, 64, 8, 3), (128, 128, 8, 3), (64, 32, 4, 4)]
 DKDV_TILES = [(64, 64, 4, 3), (64, 64, 4, 2), (32, 64, 4, 4), (64, 128, 8, 3), (32, 128, 8, 3), (16, 64, 4, 3)]
 DQ_TILES = [(128, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 32, 4, 5), (128, 64, 8, 2), (64, 16, 4, 3)]
 if INTERPRETING:
@@ -38,6 +43,15 @@ if INTERPRETING:
 else:
     SHORT_TILES = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}
 PREPROCESS_BLOCK = 64
+# Batch and heads only size the grid: one compiled kernel serves all of their values (Triton would otherwise
+# compile apart for 1 and for multiples of 16).
+GRID_ARGS = ["n_batch", "n_heads"]
+# Key splits: the forward aims at SPLIT_SLOTS_PER_SM query-tile programs per SM, splitting no further than
+# MIN_KEYS_PER_SPLIT keys a program. On the H100 this takes batch 1, seq 16384, d 64 causal from 0.157 to
+# 0.108 ms. The interpreter counts as one SM with small splits, so tests split too.
+SPLIT_SLOTS_PER_SM = 4
+MAX_SPLITS = 8
+MIN_KEYS_PER_SPLIT = 16 if INTERPRETING else 512
 
 
 @triton.jit
@@ -105,18 +119,21 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_v
     return acc, l_i, m_i
 
 
-@triton.jit
-def _fwd_kernel(Q, K, V, O, LSE,
+@triton.jit(do_not_specialize=GRID_ARGS)
+def _fwd_kernel(Q, K, V, O, LSE, O_PART, LSE_PART,
                 stride_qb, stride_qh, stride_qm, stride_qd,
                 stride_kb, stride_kh, stride_kn, stride_kd,
                 stride_vb, stride_vh, stride_vn, stride_vd,
                 stride_ob, stride_oh, stride_om, stride_od,
-                n_heads, n_queries, n_keys,
+                n_batch, n_heads, n_queries, n_keys,
                 SM_SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
-                INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                INPUT_PRECISION: tl.constexpr, N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    """O and L of one query tile; with N_SPLITS > 1, of one split of its keys, into O_PART and LSE_PART."""
     qk_scale = SM_SCALE * LOG2E  # scores in base 2
     # Causal query tiles late in the sequence see the most keys: launch them first, shorten the tail.
-    start_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    start_m, split = pid // N_SPLITS * BLOCK_M, pid % N_SPLITS
     h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
     Q += b * stride_qb + h * stride_qh
     K += b * stride_kb + h * stride_kh
@@ -132,14 +149,57 @@ def _fwd_kernel(Q, K, V, O, LSE,
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running row sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     unmasked_end, masked_end = _key_ranges(start_m, n_keys, BLOCK_M, BLOCK_N, CAUSAL)
+    # This program's keys: [lo, hi). Splits are whole query tiles long, so tile boundaries stay aligned.
+    split_keys = tl.cdiv(tl.cdiv(n_keys, N_SPLITS), BLOCK_M) * BLOCK_M
+    lo = split * split_keys
+    hi = tl.minimum(lo + split_keys, masked_end)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, n_keys,
-                               qk_scale, 0, unmasked_end, HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION, BLOCK_N, False)
+                               qk_scale, lo, tl.minimum(unmasked_end, hi), HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION,
+                               BLOCK_N, False)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, n_keys,
-                               qk_scale, unmasked_end, masked_end, HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION,
+                               qk_scale, tl.maximum(unmasked_end, lo), hi, HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION,
                                BLOCK_N, True)
-    _store_tile(O + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, acc / l_i[:, None],
+    if N_SPLITS == 1:
+        _store_tile(O + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, acc / l_i[:, None],
+                    offs_m, n_queries, offs_d, HEAD_DIM, D_PAD)
+        tl.store(LSE + offs_m, (m_i + tl.math.log2(l_i)) * LN2, mask=offs_m < n_queries)
+    else:
+        # Partials in fp32, (splits, batch, heads, n_queries, D_PAD) and (splits, batch, heads, n_queries); a
+        # causal tile's late splits can be empty (l = 0): they store O = 0 and L = -inf, which weighs nothing.
+        row = ((split * n_batch + b) * n_heads + h) * n_queries + offs_m
+        l_i = tl.where(l_i > 0, l_i, 1.0)
+        tl.store(O_PART + row[:, None] * D_PAD + offs_d[None, :], acc / l_i[:, None],
+                 mask=offs_m[:, None] < n_queries)
+        tl.store(LSE_PART + row, m_i + tl.math.log2(l_i), mask=offs_m < n_queries)
+
+
+@triton.jit
+def _fwd_merge_kernel(O_PART, LSE_PART, O, LSE,
+                      stride_ob, stride_oh, stride_om, stride_od,
+                      n_batch, n_heads, n_queries, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, N_SPLITS: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
+    """O and L of a query tile from its splits' partials: each weighs exp(its L - the tile's L)."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
+    offs_d = tl.arange(0, D_PAD)
+    rows_per_split = n_batch * n_heads * n_queries
+    row = (b * n_heads + h) * n_queries + offs_m
+    in_range = offs_m < n_queries
+    lse_max = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for split in tl.static_range(N_SPLITS):
+        lse_max = tl.maximum(lse_max, tl.load(LSE_PART + split * rows_per_split + row, mask=in_range, other=0.0))
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    for split in tl.static_range(N_SPLITS):
+        part = split * rows_per_split + row
+        weight = tl.math.exp2(tl.load(LSE_PART + part, mask=in_range, other=0.0) - lse_max)
+        o = tl.load(O_PART + part[:, None] * D_PAD + offs_d[None, :], mask=in_range[:, None], other=0.0)
+        acc += weight[:, None] * o
+        total += weight
+    O += b * stride_ob + h * stride_oh
+    _store_tile(O + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, acc / total[:, None],
                 offs_m, n_queries, offs_d, HEAD_DIM, D_PAD)
-    tl.store(LSE + offs_m, (m_i + tl.math.log2(l_i)) * LN2, mask=offs_m < n_queries)
+    tl.store(LSE + (b * n_heads + h) * n_queries + offs_m, (lse_max + tl.math.log2(total)) * LN2, mask=in_range)
 
 
 @triton.jit
@@ -191,7 +251,7 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_qd, strid
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=GRID_ARGS)
 def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
                      stride_qb, stride_qh, stride_qm, stride_qd,
                      stride_kb, stride_kh, stride_kn, stride_kd,
@@ -199,7 +259,7 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
                      stride_dob, stride_doh, stride_dom, stride_dod,
                      stride_dkb, stride_dkh, stride_dkn, stride_dkd,
                      stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                     n_heads, n_queries, n_keys,
+                     n_batch, n_heads, n_queries, n_keys,
                      SM_SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                      INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     tl.static_assert(BLOCK_N % BLOCK_M == 0)
@@ -267,14 +327,14 @@ def _bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, 
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=GRID_ARGS)
 def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
                    stride_qb, stride_qh, stride_qm, stride_qd,
                    stride_kb, stride_kh, stride_kn, stride_kd,
                    stride_vb, stride_vh, stride_vn, stride_vd,
                    stride_dob, stride_doh, stride_dom, stride_dod,
                    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-                   n_heads, n_queries, n_keys,
+                   n_batch, n_heads, n_queries, n_keys,
                    SM_SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     qk_scale = SM_SCALE * LOG2E
@@ -308,7 +368,11 @@ def _bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
 
 def _autotuned(kernel, tiles):
     configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
-    return triton.autotune(configs, key=["n_queries", "n_keys", "HEAD_DIM", "CAUSAL", "INPUT_PRECISION"])(kernel)
+    # Batch and heads set the grid, on which the best tile depends as much as on the sequence lengths.
+    key = ["n_batch", "n_heads", "n_queries", "n_keys", "HEAD_DIM", "CAUSAL", "INPUT_PRECISION"]
+    if "N_SPLITS" in kernel.arg_names:
+        key.append("N_SPLITS")
+    return triton.autotune(configs, key=key)(kernel)
 
 
 # name: (fixed tile for short sequences, autotuned over the tiles for long ones)
@@ -350,18 +414,45 @@ def _shape_args(q: torch.Tensor, k: torch.Tensor) -> dict:
         precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
     # The scale is a compile-time constant (one per head dim anyway): a float argument would arrive as fp64
     # under torch.compile and promote the softmax math.
-    return dict(n_heads=q.shape[1], n_queries=q.shape[2], n_keys=k.shape[2], SM_SCALE=1 / math.sqrt(d),
-                HEAD_DIM=d, D_PAD=max(16, triton.next_power_of_2(d)), INPUT_PRECISION=precision)
+    return dict(n_batch=q.shape[0], n_heads=q.shape[1], n_queries=q.shape[2], n_keys=k.shape[2],
+                SM_SCALE=1 / math.sqrt(d), HEAD_DIM=d, D_PAD=max(16, triton.next_power_of_2(d)),
+                INPUT_PRECISION=precision)
+
+
+@functools.cache
+def _sm_count(device_index: int | None) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def _key_splits(batch: int, heads: int, n_queries: int, n_keys: int, device: torch.device) -> int:
+    """How many programs share each query tile's keys, so that a grid too small for the GPU fills it.
+
+    With one long sequence the grid has fewer query tiles than the GPU can run at once, and the forward takes
+    as long as its longest row: splitting the keys shortens that row, for the price of a merge pass.
+    """
+    sms = _sm_count(device.index) if device.type == "cuda" else 1
+    tiles = batch * heads * triton.cdiv(n_queries, 128)
+    return max(1, min(MAX_SPLITS, SPLIT_SLOTS_PER_SM * sms // tiles, n_keys // MIN_KEYS_PER_SPLIT))
 
 
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
     # q: (batch, heads, n_queries, d), k and v: (batch, heads, n_keys, d)
     batch, heads, n_queries, _ = q.shape
+    shape = _shape_args(q, k)
+    splits = _key_splits(batch, heads, n_queries, k.shape[2], q.device)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q.device)
-    grid = lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]), heads, batch)  # noqa: E731
-    _launch("fwd", grid, q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(), dtype=q.dtype,
-            CAUSAL=is_causal, **_shape_args(q, k))
+    o_part, lse_part = o, lse  # unused by an unsplit forward
+    if splits > 1:
+        o_part = torch.empty((splits, batch, heads, n_queries, shape["D_PAD"]), dtype=torch.float32, device=q.device)
+        lse_part = torch.empty((splits, batch, heads, n_queries), dtype=torch.float32, device=q.device)
+    grid = lambda meta: (triton.cdiv(n_queries, meta["BLOCK_M"]) * splits, heads, batch)  # noqa: E731
+    _launch("fwd", grid, q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+            dtype=q.dtype, CAUSAL=is_causal, N_SPLITS=splits, **shape)
+    if splits > 1:
+        _fwd_merge_kernel[(triton.cdiv(n_queries, PREPROCESS_BLOCK), heads, batch)](
+            o_part, lse_part, o, lse, *o.stride(), batch, heads, n_queries,
+            HEAD_DIM=shape["HEAD_DIM"], D_PAD=shape["D_PAD"], N_SPLITS=splits, BLOCK_M=PREPROCESS_BLOCK)
     return o, lse
 
 
