@@ -128,7 +128,7 @@ def test_ddp_step(benchmark, point, pools, request, device, skip_on_oom):
     steps = [statistics.median(rank["seconds"]["step"]) for rank in ranks]
     info.update(step_spread_s=max(steps) - min(steps), comm_share=info["comm_wait_s"] / step,
                 tokens_per_s=point.world_size * spec.batch_size * spec.context / step)
-    step_flops = flops(get_config(spec.preset), spec.batch_size, spec.context).step
+    step_flops = flops(get_config(spec.preset, context_length=spec.context), spec.batch_size, spec.context).step
     record_throughput(benchmark, seconds=step, flops=step_flops, device=device,
                       dtype=get_precision(point.precision).compute)
     record_memory(benchmark, ranks)

@@ -73,15 +73,6 @@ def flops(config: TransformerConfig, batch_size: int, seq: int) -> Flops:
     )
 
 
-def forward_flops(config: TransformerConfig, batch_size: int, seq: int) -> int:
-    """Matmul FLOPs of one forward pass; causal attention counts only the unmasked half of S·Sᵀ."""
-    return flops(config, batch_size, seq).forward
-
-
-def backward_flops(config: TransformerConfig, batch_size: int, seq: int) -> int:
-    return flops(config, batch_size, seq).backward
-
-
 # ---------------------------------------------------------------------------------------------
 # Memory of one model on one device
 

@@ -91,9 +91,8 @@ def time_on_device(benchmark, fn, *, device: torch.device, warmup: int, rounds: 
     """
 
     def timed(*args):
-        out = fn(*args)
+        fn(*args)  # nothing returned: pytest-benchmark would hold a round's output through the next round
         synchronize(device)
-        return out
 
     def prepare():
         args = setup() if setup else ()

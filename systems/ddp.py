@@ -91,7 +91,7 @@ def fill_buckets(params: list[nn.Parameter], bucket_size_mb: float | None) -> li
     A parameter larger than a bucket gets a bucket of its own; a change of dtype starts a new
     bucket, since a bucket is one flat tensor.
     """
-    _check_bucket_size(bucket_size_mb)
+    check_bucket_size(bucket_size_mb)
     capacity = math.inf if bucket_size_mb is None else bucket_size_mb * 2**20
     buckets, filled = [], 0
     for param in params:
@@ -217,7 +217,7 @@ class DDPBucketed(_OverlappedDDP):
     as soon as backward has produced all of its gradients."""
 
     def __init__(self, module: nn.Module, bucket_size_mb: float | None):
-        _check_bucket_size(bucket_size_mb)  # before any collective: bad input fails on every rank alike
+        check_bucket_size(bucket_size_mb)  # before any collective: bad input fails on every rank alike
         self.bucket_size_mb = bucket_size_mb
         super().__init__(module)
 
@@ -230,6 +230,6 @@ def _remove_hooks(handles: list) -> None:
         handle.remove()
 
 
-def _check_bucket_size(bucket_size_mb: float | None) -> None:
+def check_bucket_size(bucket_size_mb: float | None) -> None:
     if bucket_size_mb is not None and not bucket_size_mb > 0:
         raise ValueError(f"bucket_size_mb must be positive or None, got {bucket_size_mb}")

@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from systems.benchmarking import synchronize
-from systems.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP
+from systems.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP, check_bucket_size
 from systems.distributed import init_from_env, rank_device
 from systems.model import PRESETS, get_config
 from systems.optim import AdamW, ShardedOptimizer
@@ -61,8 +61,7 @@ class TrainSpec:
                 raise ValueError(f"unknown {field} {value!r}; choose from {list(choices)}")
         if self.variant == "torch" and self.bucket_size_mb is None:
             raise ValueError("torch's DistributedDataParallel needs a bucket size")
-        if self.bucket_size_mb is not None and not self.bucket_size_mb > 0:
-            raise ValueError(f"bucket_size_mb must be positive or None, got {self.bucket_size_mb}")
+        check_bucket_size(self.bucket_size_mb)
         if min(self.batch_size, self.context, self.steps) < 1 or self.warmup < 0:
             raise ValueError("batch_size, context and steps must be positive and warmup non-negative")
 

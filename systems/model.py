@@ -14,9 +14,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from systems import attention
+
 
 def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention written out: the reference every other backend is checked against."""
+    """Causal attention written out, whose saved tensors `systems.accounting` models."""
     # q, k, v: (batch, heads, seq, d_head)
     seq = q.shape[-2]
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
@@ -30,10 +32,7 @@ def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    # Imported here so the model works where Triton is not installed.
-    from systems.attention import flash_attention as flash
-
-    return flash(q, k, v, is_causal=True)
+    return attention.flash_attention(q, k, v, is_causal=True)
 
 
 ATTENTION_BACKENDS = {"naive": naive_attention, "sdpa": sdpa_attention, "flash": flash_attention}

@@ -10,6 +10,9 @@ import torch
 import torch.distributed as dist
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+
 class AdamW(torch.optim.Optimizer):
     """Adam with decoupled weight decay, with the semantics of `torch.optim.AdamW`.
 
@@ -67,16 +70,18 @@ class AdamW(torch.optim.Optimizer):
         """As torch's, except that the state of a bf16/fp16 parameter stays fp32 (torch would cast it
         to the parameter's dtype and lose the master copy's precision)."""
         super().load_state_dict(state_dict)
-        params = [p for group in self.param_groups for p in group["params"]]
-        for index, saved in state_dict["state"].items():
-            param = params[index]
-            if param.dtype in LOW_PRECISION:
-                for key, value in saved.items():
-                    if isinstance(value, torch.Tensor):
-                        self.state[param][key] = value.to(param.device, torch.float32, copy=True)
+        _keep_low_precision_state_fp32(self, state_dict)
 
 
-LOW_PRECISION = (torch.bfloat16, torch.float16)
+def _keep_low_precision_state_fp32(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:
+    """Undo torch's cast of loaded state to its parameter's dtype for bf16/fp16 parameters."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, saved in state_dict["state"].items():
+        param = params[index]
+        if param.dtype in LOW_PRECISION:
+            for key, value in saved.items():
+                if isinstance(value, torch.Tensor):
+                    optimizer.state[param][key] = value.to(param.device, torch.float32, copy=True)
 
 
 def _fusable(p: torch.Tensor) -> bool:
@@ -118,7 +123,7 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float, eps: f
         return torch.tensor(0.0)
     total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
     scale = (max_norm / (total + eps)).clamp(max=1.0)
-    torch._foreach_mul_(grads, scale.to(grads[0].device))
+    torch._foreach_mul_(grads, scale)
     return total
 
 
@@ -160,6 +165,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         else:
             self.local_optimizer.add_param_group(local)
         self._sharded_groups.append(len(self.param_groups) - 1)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As torch's; the local optimizer keeps sharing `state`, which torch's replaces, and bf16/fp16
+        parameters keep fp32 state as in AdamW."""
+        super().load_state_dict(state_dict)
+        _keep_low_precision_state_fp32(self, state_dict)
+        if self.local_optimizer is not None:
+            self.local_optimizer.state = self.state
 
     @torch.no_grad()
     def step(self, closure=None):

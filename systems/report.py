@@ -20,8 +20,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from systems.accounting import FP32, BucketedAllReduce, count_parameters, peak_memory
+from systems.accounting import BucketedAllReduce, count_parameters, peak_memory
 from systems.model import get_config
+from systems.train import get_precision
 
 REGRESSION = 1.10  # a time this much above the baseline's is flagged
 MODEL_PHASES = ("forward", "backward", "forward_backward", "step")
@@ -29,10 +30,11 @@ ATTENTION_PASSES = ("forward", "backward", "forward_backward")
 DDP_VARIANTS = ("single", "torch", "naive", "flat", "individual", "bucketed")
 KNOWN_MODULES = {"bench_model", "bench_attention", "bench_allreduce", "bench_ddp"}
 # Ids of the points that ran out of memory: they leave no benchmark behind, only their test name.
-MODEL_ID = re.compile(r"\[(?P<preset>[^-\]]+)-ctx(?P<context>\d+)-(?P<precision>[\w-]+)-(?P<compile>\w+)-(?P<phase>\w+)\]")
+MODEL_ID = re.compile(r"\[(?P<preset>[^-\]]+)-ctx(?P<context>\d+)-(?P<precision>[\w-]+)-(?P<compile>\w+)"
+                      r"-(?P<phase>\w+)\]")
 ATTENTION_ID = re.compile(r"\[(?P<impl>\w+)-seq(?P<seq>\d+)-d(?P<d>\d+)-(?P<precision>\w+)-(?P<pass>\w+)\]")
 ALLREDUCE_ID = re.compile(r"\[(?P<backend>\w+)-(?P<world_size>\d+)ranks-(?P<size_mb>[\d.]+)MiB\]")
-DDP_ID = re.compile(r"\[(?P<variant>[a-z]+)(?:-(?P<bucket_size_mb>[\d.]+)MiB)?-(?P<precision>[a-z0-9]+)"
+DDP_ID = re.compile(r"\[(?P<variant>[a-z]+)(?:-(?P<bucket_size_mb>[\d.]+)MiB)?-(?P<precision>[\w-]+?)"
                     r"-ctx(?P<context>\d+)-(?P<world_size>\d+)ranks\]")
 
 
@@ -422,9 +424,10 @@ def _bucket_model(run: Run, step: Result) -> BucketedAllReduce | None:
         return None
     try:
         params = count_parameters(get_config(step.get("preset"), context_length=step.get("context")))
+        gradient_bytes = get_precision(step.get("precision")).weights.itemsize  # bf16 with bf16-weights
     except (ValueError, TypeError):
         return None
-    return BucketedAllReduce(backward_seconds=single[0].get("backward_s"), param_bytes=FP32 * params,
+    return BucketedAllReduce(backward_seconds=single[0].get("backward_s"), param_bytes=gradient_bytes * params,
                              world_size=step.get("world_size"), bandwidth=1 / slope,
                              latency=max(0.0, y_mean - slope * x_mean))
 

@@ -10,7 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from systems.accounting import (GB, TPU_V5P_BYTES, TPU_V5P_FLOPS, TPU_V5P_ICI_BANDWIDTH, XXL, BucketedAllReduce,
                                 FFNStack, activation_memory, count_matmul_parameters, count_parameters,
-                                devices_to_hold, flops, forward_flops, fsdp_tp_compute_bound_batch, model_state,
+                                devices_to_hold, flops, fsdp_tp_compute_bound_batch, model_state,
                                 peak_memory, residual_stream_bytes)
 from systems.model import PRESETS, TransformerConfig, TransformerLM, cross_entropy, get_config
 from systems.optim import AdamW
@@ -45,7 +45,6 @@ def test_flops_match_flop_counter(attention):
     # (The counter has no formula for the CPU SDPA kernel, so there only the projections are counted.)
     assert forward.get_total_flops() == matmuls
     assert backward.get_total_flops() == 2 * matmuls
-    assert forward_flops(config, 3, 40) == expected.forward == expected.backward // 2
 
 
 def saved_tensor_bytes(model, tokens, targets, precision) -> int:

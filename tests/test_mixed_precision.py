@@ -75,11 +75,12 @@ def test_bf16_weights_training_tracks_fp32(device):
     bf16.load_state_dict(fp32.state_dict())
     bf16.to(get_precision("bf16-weights").weights)
     tokens, targets = random_batch(config, 4, 32, device)
-    runs = {}
+    runs, optimizers = {}, {}
     for name, model, precision in (("fp32", fp32, "fp32"), ("bf16", bf16, "bf16-weights")):
-        optimizer = AdamW(model.parameters(), lr=1e-3)
-        runs[name] = [train_step(model, optimizer, tokens, targets, precision).item() for _ in range(5)]
+        optimizers[name] = AdamW(model.parameters(), lr=1e-3)
+        runs[name] = [train_step(model, optimizers[name], tokens, targets, precision).item() for _ in range(5)]
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
-    assert {s["master"].dtype for s in optimizer.state.values()} == {torch.float32}
+    assert {s["master"].dtype for s in optimizers["bf16"].state.values()} == {torch.float32}
     assert runs["bf16"][-1] < runs["bf16"][0]
-    torch.testing.assert_close(torch.tensor(runs["bf16"]), torch.tensor(runs["fp32"]), rtol=2e-2, atol=0)
+    # The five steps lower the loss by ~4%: 0.5% tells lost or half-size updates from bf16 rounding.
+    torch.testing.assert_close(torch.tensor(runs["bf16"]), torch.tensor(runs["fp32"]), rtol=5e-3, atol=0)

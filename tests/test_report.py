@@ -160,6 +160,7 @@ def test_every_deliverable_gets_its_table_and_plots(tmp_path):
 def test_bucket_sweep_shows_the_bucket_model(tmp_path):
     save_run(tmp_path / "storage", 1, distributed_benchmarks())
     code, out = report(tmp_path)
+    assert code == 0
     rows = table_rows(out / "ddp_buckets.md")
     # The all-reduce points lie on time = 10 µs + bytes / 100 GB/s; with 2 ranks busbw equals algbw.
     model = BucketedAllReduce(backward_seconds=0.06, param_bytes=4 * count_parameters(get_config("small")),
@@ -180,6 +181,7 @@ def test_unknown_benchmarks_get_a_table_of_their_own(tmp_path):
     save_run(tmp_path / "storage", 1, [bench("benches/bench_new.py::test_thing[a-1]", 0.003, params={"x": 1},
                                              kind="a", score=0.5)])
     code, out = report(tmp_path)
+    assert code == 0
     assert table_rows(out / "bench_new_test_thing.md") == [["a", "0.5", "1", "3 ± 0.15"]]
 
 
@@ -209,8 +211,10 @@ def test_latest_run_and_machine_by_default(tmp_path):
     assert report(tmp_path)[0] == 0
     assert (tmp_path / "report" / "report.md").read_text().startswith("# Benchmark report: run 0002")
     code, out = report(tmp_path, "--run", "0001")
+    assert code == 0
     assert (out / "model.md").exists() and not (out / "attention_flash.md").exists()
     code, out = report(tmp_path, "--machine", "Linux-CPython-3.11-64bit")
+    assert code == 0
     assert (out / "attention_flash.md").exists()
 
 

@@ -69,6 +69,9 @@ def train_both() -> dict:
         # The model's parameters always had gradients here; the extra one only from ADD_GROUP_AT on.
         grads_after_zero_grad.append(all(g is None if set_to_none else g is None or not g.any() for g in grads))
     names = {param: name for name, param in [*sharded_model.named_parameters(), ("extra", sharded_extra)]}
+    restored = ShardedOptimizer(sharded_model.parameters(), AdamW, **ADAMW)
+    restored.add_param_group({"params": [sharded_extra], **EXTRA_GROUP})
+    restored.load_state_dict(sharded.state_dict())
     return {
         "sharded": _snapshot(sharded_model, sharded_extra),
         "plain": _snapshot(plain_model, plain_extra),
@@ -77,6 +80,10 @@ def train_both() -> dict:
         "state_numel": {names[param]: sum(t.numel() for t in state.values() if torch.is_tensor(t))
                         for param, state in sharded.state.items()},
         "grads_after_zero_grad": grads_after_zero_grad,
+        # What the restored optimizer's next step would use: its local optimizer's state.
+        "restored_matches": [torch.equal(value, restored.local_optimizer.state[param][key])
+                             for param, state in sharded.state.items()
+                             for key, value in state.items() if torch.is_tensor(value)],
         "rank": dist.get_rank(),
     }
 
@@ -119,6 +126,11 @@ def test_each_rank_keeps_state_for_its_shard_only(ranks):
         assert result["owner"] == owner  # every rank deals the same shards
         mine = {name for name, rank in owner.items() if rank == result["rank"]}
         assert result["state_numel"] == {name: 2 * numel[name] for name in mine}  # exp_avg and exp_avg_sq
+
+
+def test_a_loaded_state_dict_reaches_the_local_optimizer(ranks):
+    for result in ranks:
+        assert result["restored_matches"] and all(result["restored_matches"])
 
 
 def test_shards_are_balanced_by_size(ranks):
