@@ -36,6 +36,7 @@ ATTENTION_ID = re.compile(r"\[(?P<impl>\w+)-seq(?P<seq>\d+)-d(?P<d>\d+)-(?P<prec
 ALLREDUCE_ID = re.compile(r"\[(?P<backend>\w+)-(?P<world_size>\d+)ranks-(?P<size_mb>[\d.]+)MiB\]")
 DDP_ID = re.compile(r"\[(?P<variant>[a-z]+)(?:-(?P<bucket_size_mb>[\d.]+)MiB)?-(?P<precision>[\w-]+?)"
                     r"-ctx(?P<context>\d+)-(?P<world_size>\d+)ranks\]")
+RUN_RANGE = re.compile(r"(?P<first>\d+)-(?P<last>\d+)")  # --run 16-20
 
 
 class ReportError(Exception):
@@ -66,7 +67,7 @@ class Result:
 
 @dataclass(frozen=True)
 class Run:
-    path: Path
+    paths: tuple[Path, ...]  # one history, or several merged (merge_runs)
     machine: str  # what ran it, e.g. "NVIDIA H100 80GB HBM3, torch 2.11.0"
     commit: str
     datetime: str
@@ -75,7 +76,7 @@ class Run:
 
     @property
     def id(self) -> str:
-        return self.path.stem.split("_")[0]
+        return "+".join(path.stem.split("_")[0] for path in self.paths)
 
     def select(self, module: str, test: str) -> list[Result]:
         return [r for r in self.results if r.module == module and r.test == test]
@@ -136,6 +137,39 @@ def find_run(storage: Path, machine: str | None, run_id: str | None) -> Path:
     return matches[0]
 
 
+def find_runs(storage: Path, machine: str | None, run_ids: str | None) -> list[Path]:
+    """The run files of `run_ids`: one run as find_run takes it, or several separated by commas, where
+    `16-20` stands for 16, 17, 18, 19, 20. All come from the machine folder of the first."""
+    if run_ids is None or "," not in run_ids and not RUN_RANGE.fullmatch(run_ids):
+        return [find_run(storage, machine, run_ids)]
+    ids = []
+    for item in run_ids.split(","):
+        span = RUN_RANGE.fullmatch(item.strip())
+        ids += [str(n) for n in range(int(span["first"]), int(span["last"]) + 1)] if span else [item.strip()]
+    first = find_run(storage, machine, ids[0])
+    return [first] + [find_run(storage, machine or first.parent.name, run_id) for run_id in ids[1:]]
+
+
+def merge_runs(runs: list[Run]) -> Run:
+    """One run of several, e.g. a sweep saved in chunks: where runs share a point, the later one's
+    result (or its out-of-memory) wins."""
+    if len(runs) == 1:
+        return runs[0]
+    points: dict[tuple[str, str], Result | tuple[str, str]] = {}
+    for run in runs:
+        points.update(((r.module, r.name), r) for r in run.results)
+        points.update((oom, oom) for oom in run.out_of_memory)
+    return Run(paths=tuple(path for run in runs for path in run.paths),
+               machine=_distinct(run.machine for run in runs), commit=_distinct(run.commit for run in runs),
+               datetime=f"{runs[0].datetime} to {runs[-1].datetime}",
+               results=[point for point in points.values() if isinstance(point, Result)],
+               out_of_memory=[point for point in points.values() if isinstance(point, tuple)])
+
+
+def _distinct(values: Iterable[str]) -> str:
+    return "; ".join(dict.fromkeys(values))
+
+
 def _saved_at(path: Path) -> str:
     # pytest-benchmark names runs NNNN_<commit>_YYYYMMDD_HHMMSS[_uncommited-changes].json
     stamp = re.search(r"_(\d{8}_\d{6})", path.stem)
@@ -146,7 +180,7 @@ def load_run(path: Path) -> Run:
     try:
         data = json.loads(path.read_text())
         return Run(
-            path=path,
+            paths=(path,),
             machine=_describe_machine(data.get("machine_info") or {}),
             commit=str((data.get("commit_info") or {}).get("id", "unknown")),
             datetime=str(data.get("datetime", "")),
@@ -494,11 +528,18 @@ def build_plots(run: Run, out: Path) -> list[Path]:
             [("ms", lambda r: r.mean * 1e3), ("TFLOP/s", lambda r: r.get("tflops"))])))
     attention = (run.select("bench_attention", "test_handout_sweep")
                  + run.select("bench_attention", "test_flash_sweep"))
-    for sweep, pass_ in sorted({(r.get("sweep"), r.get("pass")) for r in attention}, key=str):
-        figures.append((f"attention_{sweep}_{pass_}", f"Attention, {sweep} sweep, {pass_}", "sequence length", _panels(
-            [r for r in attention if (r.get("sweep"), r.get("pass")) == (sweep, pass_)], "seq",
-            lambda r: f"{r.get('impl')} d={r.get('d')} {r.get('precision')}",
-            [("ms", lambda r: r.mean * 1e3), ("TFLOP/s", lambda r: r.get("tflops"))])))
+    for sweep, pass_, precision in sorted({(r.get("sweep"), r.get("pass"), r.get("precision")) for r in attention},
+                                          key=str):
+        # One column per head dim, time above TFLOP/s, one line per implementation: a whole grid in one line
+        # per (implementation, d, precision) would be unreadable.
+        points = [r for r in attention if (r.get("sweep"), r.get("pass"), r.get("precision")) == (sweep, pass_, precision)]
+        dims = sorted({r.get("d") for r in points}, key=_order)
+        panels = [panel for ylabel, y in (("ms", lambda r: r.mean * 1e3), ("TFLOP/s", lambda r: r.get("tflops")))
+                  for d in dims
+                  for panel in _panels([r for r in points if r.get("d") == d], "seq", lambda r: r.get("impl"),
+                                       [(f"{ylabel}, d={d}", y)])]
+        figures.append((f"attention_{sweep}_{pass_}_{precision}", f"Attention, {sweep} sweep, {pass_}, {precision}",
+                        "sequence length", panels, len(dims)))
     figures.append(("allreduce_bandwidth", "All-reduce", "MiB", _panels(
         run.select("bench_allreduce", "test_allreduce"), "size_mb",
         lambda r: f"{r.get('backend')}, {r.get('world_size')} ranks",
@@ -527,24 +568,34 @@ def _panels(results: list[Result], x: str, label: Callable[[Result], str],
     return out
 
 
-def _plot(plt, out: Path, name: str, title: str, xlabel: str, panels: list[tuple[str, Series]]) -> Path | None:
-    """Panels side by side, log-log, one line per series; nothing when no series has two points."""
+def _plot(plt, out: Path, name: str, title: str, xlabel: str, panels: list[tuple[str, Series]],
+          columns: int | None = None) -> Path | None:
+    """Panels in rows of `columns` (default: one row), log-log, one line per series, each series in one color
+    throughout; nothing when no series has two points."""
     panels = [(ylabel, series) for ylabel, series in panels if series]
     if not panels:
         return None
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import FuncFormatter
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
-    for ax, (ylabel, series) in zip(axes[0], panels):
+    columns = min(columns or len(panels), len(panels))
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(6 * columns, 4.5 * rows), squeeze=False)
+    labels = sorted({label for _, series in panels for label in series})
+    color = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    for ax, (ylabel, series) in zip(axes.flat, panels):
         for label, points in series.items():
-            ax.plot(*zip(*points), marker="o", label=label)
+            ax.plot(*zip(*points), marker="o", label=label, color=color[label])
         xs = sorted({x for points in series.values() for x, _ in points})
         ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel, xticks=xs)
         for axis in (ax.xaxis, ax.yaxis):
-            axis.set_major_formatter(ScalarFormatter())
+            axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
             axis.set_minor_formatter(plt.NullFormatter())
+        ax.tick_params(axis="x", labelrotation=45 if len(xs) > 6 else 0)
         ax.grid(True, which="both", alpha=0.3)
-    axes[0][0].legend(fontsize="small")
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    handles = {label: line for ax in axes.flat for line, label in zip(*ax.get_legend_handles_labels())}
+    axes[0][0].legend([handles[label] for label in labels], labels, fontsize="small")
     fig.suptitle(title)
     fig.tight_layout()
     path = out / f"{name}.png"
@@ -592,8 +643,9 @@ def write_report(run: Run, out: Path, baseline: Run | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tables = build_tables(run) + ([comparison_table(run, baseline)] if baseline else [])
     plots = build_plots(run, out)
+    sources = ", ".join(f"`{path}`" for path in run.paths)
     sections = [f"# Benchmark report: run {run.id}", "",
-                f"{run.machine}; commit {run.commit}; {run.datetime}; from `{run.path}`.", ""]
+                f"{run.machine}; commit {run.commit}; {run.datetime}; from {sources}.", ""]
     if not run.results:
         sections += ["The run holds no benchmarks.", ""]
     for table in tables:
@@ -608,17 +660,19 @@ def write_report(run: Run, out: Path, baseline: Run | None = None) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m systems.report", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="folder for report.md, the tables and the plots")
-    parser.add_argument("--run", help="run number (3 or 0003), file-name prefix or path; default the latest")
-    parser.add_argument("--compare", help="a second run, named as for --run, to compare against")
+    parser.add_argument("--run", help="run number (3 or 0003), file-name prefix or path; default the latest. "
+                        "Several, e.g. 16-20,23, are merged, the later run winning where they share a point")
+    parser.add_argument("--compare", help="a second run (or runs), named as for --run, to compare against")
     parser.add_argument("--storage", default=".benchmarks", help="pytest-benchmark storage (default .benchmarks)")
     parser.add_argument("--machine", help="machine folder in the storage; default the one with the newest run")
     args = parser.parse_args(argv)
     storage = Path(args.storage.removeprefix("file://"))
     try:
-        run = load_run(find_run(storage, args.machine, args.run))
+        run = merge_runs([load_run(path) for path in find_runs(storage, args.machine, args.run)])
         baseline = None
         if args.compare:
-            baseline = load_run(find_run(storage, args.machine or run.path.parent.name, args.compare))
+            machine = args.machine or run.paths[0].parent.name
+            baseline = merge_runs([load_run(path) for path in find_runs(storage, machine, args.compare)])
         report = write_report(run, args.out, baseline)
     except ReportError as exc:
         print(f"report: error: {exc}", file=sys.stderr)

@@ -150,7 +150,7 @@ def test_every_deliverable_gets_its_table_and_plots(tmp_path):
     optimizers = table_rows(out / "sharded_optimizer.md")
     assert ["2", "sharded", "490.5", "981", "0.5", "0.5", "2750", "10", "200"] in optimizers
 
-    for name in ("model_forward", "model_step", "attention_handout_forward", "attention_flash_forward",
+    for name in ("model_forward", "model_step", "attention_handout_forward_fp32", "attention_flash_forward_bf16",
                  "allreduce_bandwidth", "ddp_buckets"):
         image = matplotlib.image.imread(out / f"{name}.png")
         assert image.shape[0] > 100 and image.shape[1] > 100 and image.std() > 0
@@ -218,6 +218,30 @@ def test_latest_run_and_machine_by_default(tmp_path):
     assert (out / "attention_flash.md").exists()
 
 
+def test_runs_saved_in_chunks_merge_and_later_runs_win(tmp_path):
+    storage = tmp_path / "storage"
+    save_run(storage, 1, attention_benchmarks(), oom=OOM[1:2], stamp="20260101_120000")  # naive d128 ran out
+    save_run(storage, 2, model_benchmarks(), stamp="20260102_120000")
+    rerun = [bench("benches/bench_attention.py::test_flash_sweep[naive-seq1024-d128-bf16-forward]", 0.004,
+                   sweep="flash", impl="naive", batch=1, seq=1024, d=128, precision="bf16", is_causal=True,
+                   **{"pass": "forward"}),
+             bench("benches/bench_attention.py::test_flash_sweep[sdpa-seq1024-d64-bf16-forward]", 0.003,
+                   sweep="flash", impl="sdpa", batch=1, seq=1024, d=64, precision="bf16", is_causal=True,
+                   **{"pass": "forward"})]
+    save_run(storage, 3, rerun, oom=OOM[:1], stamp="20260103_120000")  # and a handout point runs out
+    code, out = report(tmp_path, "--run", "1-3")
+    assert code == 0
+    text = (out / "report.md").read_text()
+    assert text.startswith("# Benchmark report: run 0001+0002+0003") and text.count("_abc123_") == 3
+    assert (out / "model.md").exists()
+    flash = (out / "attention_flash.md").read_text()
+    assert "| bf16 | 64 | 1024 | forward | 1.024 | 3 | 0.256 |" in flash  # run 3's sdpa replaced run 1's
+    assert "| bf16 | 128 | 1024 | forward | 4 |" in flash and "| OOM |" not in flash
+    assert ["naive", "16", "16384", "OOM", ""] in [row[:5] for row in table_rows(out / "attention_handout.md")]
+    assert report(tmp_path, "--run", "3,1")[0] == 0  # the order decides: run 1's sdpa point wins now
+    assert "| bf16 | 64 | 1024 | forward | 1.024 | 0.2048 | 0.256 |" in (out / "attention_flash.md").read_text()
+
+
 @pytest.mark.parametrize("history, args, message", [
     (None, (), "no benchmark history at"),
     ("{not json", (), "is not a pytest-benchmark history"),
@@ -226,7 +250,9 @@ def test_latest_run_and_machine_by_default(tmp_path):
     ('{"benchmarks": [], "out_of_memory": 3}', (), "is not a pytest-benchmark history (TypeError"),
     ('{"benchmarks": []}', ("--run", "7"), "run '7' matches 0 files"),
     ('{"benchmarks": []}', ("--machine", "elsewhere"), "no saved runs for machine 'elsewhere'"),
-], ids=["no-storage", "not-json", "no-benchmarks", "no-stats", "bad-oom", "unknown-run", "unknown-machine"])
+    ('{"benchmarks": []}', ("--run", "1-2"), "run '2' matches 0 files"),
+], ids=["no-storage", "not-json", "no-benchmarks", "no-stats", "bad-oom", "unknown-run", "unknown-machine",
+        "run-range-past-the-end"])
 def test_bad_history_is_a_one_line_error(tmp_path, capsys, history, args, message):
     if history is not None:
         path = tmp_path / "storage" / MACHINE / "0001_abc_20260101_120000.json"
