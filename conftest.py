@@ -147,6 +147,16 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@pytest.fixture(scope="module")
+def rank_pools():
+    """Spawned process groups kept for a whole module, one per (world size, backend): the distributed
+    benchmarks pay for spawning and rendezvous once, not per point."""
+    from systems.distributed import RankPools
+
+    with RankPools(timeout=600) as pools:
+        yield pools
+
+
 @pytest.fixture
 def exact_fp32_matmuls():
     """fp32 matmuls without TF32 for one test, so fp32 results can be compared tightly."""

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from systems.benchmarking import record_timings, synchronize
-from systems.distributed import RankPools, rank_device
+from systems.distributed import rank_device
 
 WARMUP_CALLS = 5
 
@@ -49,12 +49,6 @@ def pytest_generate_tests(metafunc):
         points = [AllReducePoint(backend, world_size, size_mb) for backend in opt("allreduce_backends")
                   for world_size in opt("world_sizes") if world_size > 1 for size_mb in opt("allreduce_sizes_mb")]
         metafunc.parametrize("point", points, ids=str)
-
-
-@pytest.fixture(scope="module")
-def pools():
-    with RankPools(timeout=600) as pools:
-        yield pools
 
 
 def time_all_reduce(size_mb: float, rounds: int) -> list[dict]:
@@ -96,15 +90,14 @@ def bus_bandwidth_gbps(nbytes: int, seconds: float, world_size: int) -> float:
     return nbytes / seconds / 1e9 * 2 * (world_size - 1) / world_size
 
 
-def test_allreduce(benchmark, point, pools, request, skip_on_oom):
+def test_allreduce(benchmark, point, rank_pools, request, skip_on_oom):
     if point.backend == "nccl" and point.world_size > torch.cuda.device_count():
         pytest.skip(f"needs {point.world_size} GPUs, found {torch.cuda.device_count()}")
     benchmark.group = f"allreduce-{point.backend}-{point.world_size}ranks"
     rounds = request.config.getoption("rounds")
     with skip_on_oom:
-        ranks = pools.run(point.world_size, point.backend, time_all_reduce, point.size_mb, rounds)[0]
-    # A collective is done when its slowest rank is.
-    record_timings(benchmark, [max(times) for times in zip(*(rank["seconds"] for rank in ranks))])
+        ranks = rank_pools.run(point.world_size, point.backend, time_all_reduce, point.size_mb, rounds)[0]
+    record_timings(benchmark, [rank["seconds"] for rank in ranks])
     nbytes = int(point.size_mb * 2**20) // 4 * 4
     medians = [statistics.median(rank["seconds"]) for rank in ranks]
     seconds = statistics.mean(medians)

@@ -34,7 +34,6 @@ import torch
 from systems.accounting import flops
 from systems.benchmarking import record_throughput, record_timings
 from systems.ddp_train import OPTIMIZERS, PHASES, TrainSpec, train
-from systems.distributed import RankPools
 from systems.model import get_config
 from systems.train import get_precision
 
@@ -81,18 +80,11 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("world_size", world_sizes, ids=lambda n: f"{n}ranks")
 
 
-@pytest.fixture(scope="module")
-def pools():
-    with RankPools(timeout=600) as pools:
-        yield pools
-
-
-def train_in_ranks(benchmark, pools, world_size: int, spec: TrainSpec) -> list[dict]:
+def train_in_ranks(benchmark, rank_pools, world_size: int, spec: TrainSpec) -> list[dict]:
     if BACKEND == "nccl" and world_size > torch.cuda.device_count():
         pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
-    ranks = pools.run(world_size, BACKEND, train, spec)
-    # A data-parallel step is done when its slowest rank is.
-    record_timings(benchmark, [max(steps) for steps in zip(*(rank["seconds"]["step"] for rank in ranks))])
+    ranks = rank_pools.run(world_size, BACKEND, train, spec)
+    record_timings(benchmark, [rank["seconds"]["step"] for rank in ranks])
     return ranks
 
 
@@ -112,12 +104,12 @@ def record_memory(benchmark, ranks: list[dict]) -> None:
             benchmark.extra_info[f"memory_{moment}_mb"] = max(rank["memory_mb"][moment] for rank in ranks)
 
 
-def test_ddp_step(benchmark, point, pools, request, device, skip_on_oom):
+def test_ddp_step(benchmark, point, rank_pools, request, device, skip_on_oom):
     benchmark.group = f"ddp-step-{point.precision}-ctx{point.context}"
     spec = spec_for(request, variant=point.variant, bucket_size_mb=point.bucket_size_mb,
                     precision=point.precision, context=point.context)
     with skip_on_oom:
-        ranks = train_in_ranks(benchmark, pools, point.world_size, spec)
+        ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec)
     info = benchmark.extra_info
     info.update(preset=spec.preset, variant=point.variant, bucket_size_mb=point.bucket_size_mb,
                 precision=point.precision, context=point.context, batch_size_per_rank=spec.batch_size,
@@ -140,14 +132,14 @@ def test_ddp_step(benchmark, point, pools, request, device, skip_on_oom):
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_optimizer_memory(benchmark, optimizer, world_size, pools, request, skip_on_oom):
+def test_optimizer_memory(benchmark, optimizer, world_size, rank_pools, request, skip_on_oom):
     """Optimizer state per rank and peak memory, for AdamW, ShardedOptimizer(AdamW) and ZeRO-1 of torch."""
     opt = request.config.getoption
     benchmark.group = f"optimizer-{world_size}ranks"
     spec = spec_for(request, variant="bucketed", bucket_size_mb=SHARDED_BUCKET_MB, optimizer=optimizer,
                     precision=opt("precisions")[0], context=opt("contexts")[0])
     with skip_on_oom:
-        ranks = train_in_ranks(benchmark, pools, world_size, spec)
+        ranks = train_in_ranks(benchmark, rank_pools, world_size, spec)
     state = [rank["state_bytes"] for rank in ranks]
     # The sharded optimizers split the unsharded state between ranks; AdamW holds all of it on each.
     unsharded = state[0] if optimizer == "adamw" else sum(state)

@@ -117,8 +117,9 @@ def record_throughput(benchmark, *, seconds: float, flops: float, device: torch.
         benchmark.extra_info["mfu"] = tflops / peak
 
 
-def record_timings(benchmark, seconds: list[float]) -> None:
-    """Give pytest-benchmark per-round times measured where its timer cannot reach (spawned ranks).
+def record_timings(benchmark, rank_seconds: list[list[float]]) -> None:
+    """Give pytest-benchmark per-round times measured where its timer cannot reach: `rank_seconds[r][i]`
+    is round i as rank r timed it, and a round lasts as long as its slowest rank.
 
     Their statistics then fill its table, the saved history and the regression gate like any other
     benchmark's. pytest-benchmark has no public hook for this, so it fills the fixture's stats as
@@ -128,5 +129,5 @@ def record_timings(benchmark, seconds: list[float]) -> None:
         return
     benchmark._mode = "record_timings(...)"  # the fixture refuses a second use, as after pedantic
     stats = benchmark._make_stats(1)
-    for duration in seconds:
+    for duration in map(max, zip(*rank_seconds, strict=True)):
         stats.update(duration)

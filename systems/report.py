@@ -140,7 +140,7 @@ def find_run(storage: Path, machine: str | None, run_id: str | None) -> Path:
 def find_runs(storage: Path, machine: str | None, run_ids: str | None) -> list[Path]:
     """The run files of `run_ids`: one run as find_run takes it, or several separated by commas, where
     `16-20` stands for 16, 17, 18, 19, 20. All come from the machine folder of the first."""
-    if run_ids is None or "," not in run_ids and not RUN_RANGE.fullmatch(run_ids):
+    if run_ids is None or ("," not in run_ids and not RUN_RANGE.fullmatch(run_ids)):
         return [find_run(storage, machine, run_ids)]
     ids = []
     for item in run_ids.split(","):

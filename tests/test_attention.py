@@ -115,14 +115,23 @@ def test_triton_second_call_of_a_shape_uses_the_remembered_tiles(flash_triton, d
 
 
 @pytest.mark.parametrize("is_causal", [True, False])
-def test_triton_splits_the_keys_when_the_grid_is_too_small(flash_triton, device, is_causal):
+def test_triton_splits_the_keys_when_the_grid_is_too_small(flash_triton, device, is_causal, monkeypatch):
     """One short query tile against many keys: the forward splits the keys over programs and merges them."""
     from systems.attention import triton_kernels
 
+    merge, merged = triton_kernels._fwd_merge_kernel, []
+
+    class MergeSpy:
+        def __getitem__(self, grid):
+            merged.append(grid)
+            return merge[grid]
+
+    monkeypatch.setattr(triton_kernels, "_fwd_merge_kernel", MergeSpy())
     n_keys = 4 * triton_kernels.MIN_KEYS_PER_SPLIT + 5
     assert triton_kernels._key_splits(1, 1, 40, n_keys, device) == 4
     check_against_reference(flash_triton.apply, Case(1, None, 40, n_keys, 32, is_causal, torch.float32, "sliced", 7),
                             device)
+    assert len(merged) == 1  # the forward took the split path
 
 
 @pytest.mark.gpu

@@ -1,12 +1,18 @@
 """The shared harness: GPU pinning of xdist workers and the history metadata."""
 
+import json
 import os
+import pathlib
 
 import pytest
 import torch
 
 import conftest
 from systems.benchmarking import device_info
+
+pytest_plugins = ["pytester"]
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize(("worker", "visible", "expected"), [
@@ -45,3 +51,23 @@ def test_worker_sees_one_gpu_when_distributed(case):
     uuid = torch.cuda.get_device_properties(0).uuid
     print(f"{worker}: CUDA_VISIBLE_DEVICES={os.environ['CUDA_VISIBLE_DEVICES']} uuid={uuid}")
     assert torch.cuda.device_count() == 1
+
+
+RANK_TIMED_BENCH = """
+from systems.benchmarking import record_timings
+
+def test_rank_timed(benchmark):
+    record_timings(benchmark, [[0.010, 0.030, 0.020], [0.015, 0.010, 0.040]])  # two ranks, three rounds
+"""
+
+
+def test_rank_timings_reach_the_history_as_their_slowest_rank(pytester, monkeypatch):
+    """Rounds timed inside spawned ranks: each lasts as long as its slowest rank, in the table and the history."""
+    (pytester.path / "bench_ranks.py").write_text(RANK_TIMED_BENCH)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    ran = pytester.runpytest_subprocess("bench_ranks.py", "-p", "no:cacheprovider", "-o", "python_files=bench_*.py",
+                                        "--benchmark-json=out.json")
+    ran.assert_outcomes(passed=1)
+    stats = json.loads((pytester.path / "out.json").read_text())["benchmarks"][0]["stats"]
+    assert stats["rounds"] == 3
+    assert (stats["min"], stats["median"], stats["max"]) == pytest.approx((0.015, 0.030, 0.040))
