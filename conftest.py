@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import gc
+import json
 import os
+import pathlib
 import subprocess
 import zlib
 
@@ -71,8 +73,8 @@ def pytest_addoption(parser):
     grid.addoption("--memory-snapshot-dir", default=None,
                    help="write CUDA memory snapshots of a forward pass and a training step here")
     grid.addoption("--benchmark-gate", metavar="EXPR", default=None,
-                   help="fail on regressions (e.g. mean:25%%) against the latest saved run of this machine, "
-                        "if there is one; otherwise just save this run as the first baseline")
+                   help="fail on regressions (e.g. mean:25%%) against the latest saved run of this machine and GPU "
+                        "kind, if there is one; otherwise just save this run as the first baseline")
 
     attn = parser.getgroup("attention benchmarks", "benches/bench_attention.py; defaults fit a laptop CPU")
     attn.addoption("--attn-grid", choices=["tiny", "full"], default="tiny",
@@ -123,13 +125,21 @@ def _configure_gate(config) -> None:
     from pytest_benchmark.utils import get_machine_id, get_tag, parse_compare_fail
 
     storage = config.getoption("benchmark_storage").removeprefix("file://")
-    baselines = sorted((config.rootpath / storage / get_machine_id()).glob("*.json"))
+    # One Python/OS folder holds the runs of every GPU kind (H100 and H200 alike): compare like with like.
+    gpu = device_info()["gpu"]
+    baselines = [path for path in sorted((config.rootpath / storage / get_machine_id()).glob("*.json"))
+                 if _saved_gpu(path) == gpu]
     config.option.benchmark_autosave = get_tag()
     if baselines:
-        config.option.benchmark_compare = True
+        config.option.benchmark_compare = baselines[-1].name.split("_")[0]
         config.option.benchmark_compare_fail = [parse_compare_fail(expr)]
     else:
-        print(f"benchmark gate: no baseline for {get_machine_id()} yet; this run becomes it")
+        print(f"benchmark gate: no baseline for {get_machine_id()} on {gpu or 'CPU'} yet; this run becomes it")
+
+
+def _saved_gpu(history: pathlib.Path) -> str | None:
+    """The GPU a saved run was timed on (None for a CPU run)."""
+    return json.loads(history.read_text())["machine_info"].get("systems_lab", {}).get("gpu")
 
 
 def pytest_collection_modifyitems(config, items):

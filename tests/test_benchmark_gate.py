@@ -1,5 +1,7 @@
-"""The regression gate trips on a 2x slowdown and passes when the same code is compared with itself."""
+"""The regression gate trips on a 2x slowdown, passes when the same code is compared with itself, and compares
+only runs timed on the same GPU kind."""
 
+import json
 import os
 import pathlib
 
@@ -45,3 +47,16 @@ def test_gate_passes_on_same_code_and_trips_on_2x_slowdown(gate):
     slow = gate(2)
     assert slow.ret != 0
     assert "failed PercentageRegressionCheck" in slow.stdout.str() + slow.stderr.str()
+
+
+def test_gate_ignores_runs_from_another_gpu_kind(gate, pytester):
+    gate(1).assert_outcomes(passed=1)
+    (history,) = pytester.path.glob(".benchmarks/*/*.json")
+    saved = json.loads(history.read_text())
+    saved["machine_info"]["systems_lab"]["gpu"] = "Another GPU"
+    history.write_text(json.dumps(saved))
+    slow = gate(2)  # would trip against the run above, were it comparable
+    assert slow.ret == 0, slow.stdout.str()
+    assert "no baseline" in slow.stdout.str()
+    slow_again = gate(2 * 2)  # the 2x run just became this kind's baseline
+    assert slow_again.ret != 0
