@@ -134,6 +134,18 @@ def test_triton_splits_the_keys_when_the_grid_is_too_small(flash_triton, device,
     assert len(merged) == 1  # the forward took the split path
 
 
+@pytest.mark.parametrize("interleave", [True, False])
+def test_triton_launch_orders_agree(flash_triton, device, interleave, monkeypatch):
+    """Programs launched sequence by sequence, or with the sequences interleaved, compute the same attention."""
+    from systems.attention import triton_kernels
+
+    multiple = 2**40 if interleave else 0
+    monkeypatch.setattr(triton_kernels, "L2_MULTIPLE_TO_INTERLEAVE", {"forward": multiple, "backward": multiple})
+    q = torch.empty(3, 2, 72, 24, device=device)
+    assert triton_kernels._shape_args(q, q, "forward")["INTERLEAVE"] is interleave
+    check_against_reference(flash_triton.apply, Case(3, 2, 72, 90, 24, True, torch.float32, "sliced", 11), device)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [
     Case(1, None, 16384, 16384, 64, True, torch.bfloat16, "contiguous", 0),
