@@ -141,8 +141,10 @@ def test_triton_launch_orders_agree(flash_triton, device, interleave, monkeypatc
 
     multiple = 2**40 if interleave else 0
     monkeypatch.setattr(triton_kernels, "L2_MULTIPLE_TO_INTERLEAVE", {"forward": multiple, "backward": multiple})
-    q = torch.empty(3, 2, 72, 24, device=device)
-    assert triton_kernels._shape_args(q, q, "forward")["INTERLEAVE"] is interleave
+    q = torch.empty(3, 2, 72, 24, device=device)  # (batch, heads, seq, d)
+    shape = triton_kernels._shape_args(q, q, "forward")
+    assert shape["INTERLEAVE"] is interleave
+    assert triton_kernels._grid(shape, lambda meta: 7)({}) == ((2, 3, 7) if interleave else (7, 2, 3))
     check_against_reference(flash_triton.apply, Case(3, 2, 72, 90, 24, True, torch.float32, "sliced", 11), device)
 
 

@@ -438,8 +438,9 @@ def _shape_args(q: torch.Tensor, k: torch.Tensor, pass_: str) -> dict:
         # 3xTF32 keeps about fp32's accuracy on the tensor cores (plain fp32 dots spill badly); one TF32
         # pass where torch allows TF32 matmuls.
         precision = "tf32" if torch.backends.cuda.matmul.allow_tf32 else "tf32x3"
-    operand_bytes = 2 * q.shape[0] * q.shape[1] * max(q.shape[2], k.shape[2]) * d * q.element_size()
-    interleave = operand_bytes <= L2_MULTIPLE_TO_INTERLEAVE[pass_] * _l2_bytes(q.device)
+    streamed = k if pass_ == "forward" else q  # K and V stream through the forward, Q and dO the backward
+    streamed_bytes = 2 * streamed.numel() * streamed.element_size()
+    interleave = streamed_bytes <= L2_MULTIPLE_TO_INTERLEAVE[pass_] * _l2_bytes(q.device)
     # The scale is a compile-time constant (one per head dim anyway): a float argument would arrive as fp64
     # under torch.compile and promote the softmax math.
     return dict(n_batch=q.shape[0], n_heads=q.shape[1], n_queries=q.shape[2], n_keys=k.shape[2],
