@@ -370,6 +370,17 @@ def attention_tables(run: Run) -> list[Table]:
             table.rows.append([number(k) for k in key] + [_cell(row.get(impl), lambda r: ms(r.mean)) for impl in impls])
         tables.append(table)
 
+    kernels = [r for r in run.select("bench_attention", "test_flash_sweep")
+               if r.get("impl") == "triton" and r.get("sdpa_device_ms") is not None]
+    if kernels:
+        table = Table("attention_forward_kernels", "FlashAttention-2 forward kernels against SDPA's, timed in turns "
+                                                   "(CUDA-graph replay, median ms)",
+                      ["precision", "d", "seq", "triton", "sdpa", "vs SDPA"])
+        for r in _sorted(kernels, ["precision", "d", "seq"]):
+            table.rows.append([number(r.get(k)) for k in ("precision", "d", "seq", "device_ms", "sdpa_device_ms",
+                                                          "vs_sdpa")])
+        tables.append(table)
+
     board = run.select("bench_attention", "test_leaderboard")
     if board:
         table = Table("attention_leaderboard", "Leaderboard: (16, 16384, 64) bf16 causal (ms)",

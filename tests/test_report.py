@@ -67,9 +67,10 @@ def attention_benchmarks() -> list[dict]:
                              is_causal=False, **{"pass": pass_}, ms=seq * 1e-3, tflops=1.0,
                              memory_before_backward_mb=float(seq)))
         for impl, speed in (("triton", 4), ("sdpa", 5), ("naive", 1)):
+            kernels = dict(device_ms=seq / 5e3, sdpa_device_ms=seq / 4e3, vs_sdpa=0.8) if impl == "triton" else {}
             out.append(bench(f"benches/bench_attention.py::test_flash_sweep[{impl}-seq{seq}-d64-bf16-forward]",
                              seq * 1e-6 / speed, sweep="flash", impl=impl, batch=1, seq=seq, d=64, precision="bf16",
-                             is_causal=True, **{"pass": "forward"}, tflops=10.0 * speed))
+                             is_causal=True, **{"pass": "forward"}, tflops=10.0 * speed, **kernels))
     out.append(bench("benches/bench_attention.py::test_leaderboard[forward]", 0.002, params={"pass_": "forward"},
                      do_bench_ms=1.9, sdpa_do_bench_ms=1.5, vs_sdpa=1.9 / 1.5))
     return out
@@ -117,7 +118,8 @@ def test_every_deliverable_gets_its_table_and_plots(tmp_path):
     code, out = report(tmp_path)
     assert code == 0
     for name in ("model", "precision", "memory", "warmup", "attention_handout", "attention_flash",
-                 "attention_leaderboard", "allreduce", "ddp", "ddp_buckets", "sharded_optimizer"):
+                 "attention_forward_kernels", "attention_leaderboard", "allreduce", "ddp", "ddp_buckets",
+                 "sharded_optimizer"):
         assert (out / f"{name}.md").read_text() in (out / "report.md").read_text()
 
     model = table_rows(out / "model.md")
@@ -137,6 +139,8 @@ def test_every_deliverable_gets_its_table_and_plots(tmp_path):
     assert "| precision | d | seq | pass | naive | sdpa | triton |" in flash
     assert "| bf16 | 64 | 1024 | forward | 1.024 | 0.2048 | 0.256 |" in flash
     assert "| bf16 | 128 | 1024 | forward | OOM |" in flash
+    assert table_rows(out / "attention_forward_kernels.md") == [["bf16", "64", "256", "0.0512", "0.064", "0.8"],
+                                                               ["bf16", "64", "1024", "0.2048", "0.256", "0.8"]]
     assert ["forward", "2", "1.9", "1.5", "1.267"] in table_rows(out / "attention_leaderboard.md")
 
     assert ["nccl", "2", "100", f"{(1e-5 + 100 * 2**20 / 100e9) * 1e3:.4g}", "50", f"{50 * 100 / 101:.4g}"] \
