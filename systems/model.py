@@ -38,6 +38,9 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
 ATTENTION_BACKENDS = {"naive": naive_attention, "sdpa": sdpa_attention, "flash": flash_attention}
 
 
+_SIZE_FIELDS = ("d_model", "d_ff", "num_layers", "num_heads", "vocab_size", "context_length")
+
+
 @dataclass(frozen=True)
 class TransformerConfig:
     d_model: int
@@ -48,8 +51,23 @@ class TransformerConfig:
     context_length: int = 1024
     rope_theta: float = 10_000.0
     attention: str = "sdpa"
+    # Debug mode: every forward checks that the token ids lie in [0, vocab_size), at the cost of a
+    # host sync and, under torch.compile, a graph break.
+    check_tokens: bool = False
 
     def __post_init__(self):
+        for name in _SIZE_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int, got {value!r} of type {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+        if not isinstance(self.rope_theta, (int, float)) or isinstance(self.rope_theta, bool):
+            raise TypeError(f"rope_theta must be a float, got {self.rope_theta!r}")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ValueError(f"rope_theta must be positive and finite, got {self.rope_theta}")
+        if not isinstance(self.check_tokens, bool):
+            raise TypeError(f"check_tokens must be a bool, got {self.check_tokens!r}")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if (self.d_model // self.num_heads) % 2:
@@ -115,7 +133,7 @@ class RotaryEmbedding(nn.Module):
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
-        self.num_heads = config.num_heads
+        self.num_heads, self.d_head = config.num_heads, config.d_head
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
         self.out = nn.Linear(config.d_model, config.d_model, bias=False)
         self.rope = RotaryEmbedding(config.d_head, config.context_length, config.rope_theta)
@@ -124,7 +142,8 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, d_model = x.shape
         # (batch, seq, 3 * d_model) -> 3 x (batch, heads, seq, d_head)
-        q, k, v = self.qkv(x).view(batch, seq, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        # (d_head spelled out, not -1: a batch with no tokens has no size to infer it from)
+        q, k, v = self.qkv(x).view(batch, seq, 3, self.num_heads, self.d_head).permute(2, 0, 3, 1, 4)
         y = self.attend(self.rope(q), self.rope(k), v)
         return self.out(y.transpose(1, 2).reshape(batch, seq, d_model))
 
@@ -164,28 +183,40 @@ class TransformerLM(nn.Module):
         self.apply(_init_weights)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: (batch, seq) integer ids -> logits (batch, seq, vocab_size)."""
-        self.check_tokens(tokens)
+        """tokens: (batch, seq) integer ids -> logits (batch, seq, vocab_size); either size may be 0.
+
+        The ids' range is checked only with `config.check_tokens`: the check reads them back to the host,
+        which stalls a GPU every step. Check them where batches are made instead (`check_token_ids` on the
+        host; `systems.train.random_batch` draws them in range). Unchecked, an id outside [0, vocab_size)
+        is an IndexError in the embedding on a CPU, and a device-side assert on a GPU.
+        """
+        _check_token_shape(tokens, self.config.context_length)
+        if self.config.check_tokens:
+            check_token_ids(tokens, self.config.vocab_size)
         x = self.embedding(tokens)
         for block in self.blocks:
             x = block(x)
         return self.lm_head(self.final_norm(x))
 
-    @torch.compiler.disable
-    def check_tokens(self, tokens: torch.Tensor) -> None:
-        if tokens.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"token ids must be int64 or int32, got {tokens.dtype}")
-        if tokens.dim() != 2:
-            raise ValueError(f"token ids must be (batch, seq), got shape {tuple(tokens.shape)}")
-        if tokens.shape[1] > self.config.context_length:
-            raise ValueError(
-                f"sequence length {tokens.shape[1]} exceeds context_length={self.config.context_length}"
-            )
-        if ((tokens < 0) | (tokens >= self.config.vocab_size)).any():
-            raise ValueError(f"token ids must lie in [0, {self.config.vocab_size})")
-
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def _check_token_shape(tokens: torch.Tensor, context_length: int) -> None:
+    """Checks on the ids' dtype and shape only: no host sync, and torch.compile traces them."""
+    if tokens.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"token ids must be int64 or int32, got {tokens.dtype}")
+    if tokens.dim() != 2:
+        raise ValueError(f"token ids must be (batch, seq), got shape {tuple(tokens.shape)}")
+    if tokens.shape[1] > context_length:
+        raise ValueError(f"sequence length {tokens.shape[1]} exceeds context_length={context_length}")
+
+
+def check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
+    """Raise ValueError unless every id lies in [0, vocab_size). Synchronizes with the device."""
+    if ((tokens < 0) | (tokens >= vocab_size)).any():
+        raise ValueError(f"token ids must lie in [0, {vocab_size}), got ids from {tokens.min().item()} "
+                         f"to {tokens.max().item()}")
 
 
 def _init_weights(module: nn.Module) -> None:
@@ -200,6 +231,9 @@ def _init_weights(module: nn.Module) -> None:
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean negative log-likelihood, stable for large logits: log-sum-exp with the max taken out."""
     # logits: (..., vocab), targets: (...)
+    if targets.numel() == 0:
+        raise ValueError(f"cross_entropy needs at least one target to average over, got targets of shape "
+                         f"{tuple(targets.shape)}")
     logits = logits.float()
     shifted = logits - logits.amax(dim=-1, keepdim=True)
     log_norm = shifted.exp().sum(dim=-1).log()

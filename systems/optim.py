@@ -28,10 +28,7 @@ class AdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.01):
-        if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"lr, eps and weight_decay must be non-negative, got {lr}, {eps}, {weight_decay}")
-        if not all(0.0 <= b < 1.0 for b in betas):
-            raise ValueError(f"betas must lie in [0, 1), got {betas}")
+        _check_hyperparameters(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     @torch.no_grad()
@@ -71,6 +68,21 @@ class AdamW(torch.optim.Optimizer):
         to the parameter's dtype and lose the master copy's precision)."""
         super().load_state_dict(state_dict)
         _keep_low_precision_state_fp32(self, state_dict)
+
+
+def _check_hyperparameters(*, lr, betas, eps, weight_decay) -> None:
+    """At construction, what would otherwise turn the weights NaN or fail at the first step."""
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    beta1, beta2 = betas
+    for name, value in dict(lr=lr, eps=eps, weight_decay=weight_decay, beta1=beta1, beta2=beta2).items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise TypeError(f"{name} must be a float, got {value!r}")
+        if name.startswith("beta"):
+            if not 0 <= value < 1:  # NaN fails it too
+                raise ValueError(f"{name} must lie in [0, 1), got {value}")
+        elif not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"{name} must be finite and non-negative, got {value}")
 
 
 def _keep_low_precision_state_fp32(optimizer: torch.optim.Optimizer, state_dict: dict) -> None:

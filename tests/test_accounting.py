@@ -5,6 +5,7 @@ import math
 
 import pytest
 import torch
+from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -108,17 +109,50 @@ def test_state_bytes_match_a_training_step():
     assert model_state(config, "bf16").autocast_weights == 2 * count_matmul_parameters(config)
 
 
+def _allocations(events):
+    for event in events:
+        if event.typed[0] == _EventType.Allocation:
+            yield event
+        yield from _allocations(event.children)
+
+
 def cpu_peak_bytes(fn) -> int:
-    """Peak of the bytes the CPU allocator holds while `fn` runs, above what it held before."""
+    """Peak of the bytes the CPU allocator holds in tensors while `fn` runs, above what it held before.
+
+    An op's workspace, memory it allocates and frees itself rather than through an op it calls, is left
+    out: the BLAS library sizes it for the CPU's instructions and thread count, and it is no tensor the
+    accounting models. oneDNN's bf16 matmul takes per-thread tiles where the CPU has bf16 instructions,
+    and an fp32 copy of the whole output where it has AVX-512 without them (ONEDNN_MAX_CPU_ISA=AVX512_CORE
+    shows that on a newer x86).
+    """
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
+    events = sorted(_allocations(prof.profiler.kineto_results.experimental_event_tree()),
+                    key=lambda e: e.start_time_ns)
+    changes = [(e.typed[1].ptr, e.typed[1].alloc_size, e.parent.id if e.parent else None) for e in events]
+    allocated_by, workspace = {}, set()  # pointer -> (op, index of its allocation)
+    for index, (ptr, size, op) in enumerate(changes):
+        if size > 0:
+            allocated_by[ptr] = (op, index)
+        elif ptr in allocated_by:
+            allocating_op, allocation = allocated_by.pop(ptr)
+            if op is not None and op == allocating_op:
+                workspace |= {allocation, index}
     held = peak = 0
-    for _, change in events:
-        held += change
-        peak = max(peak, held)
+    for index, (_, size, _) in enumerate(changes):
+        if index not in workspace:
+            held += size
+            peak = max(peak, held)
     return peak
+
+
+def test_cpu_peak_bytes_counts_tensors_and_leaves_out_workspace():
+    """Two bf16 matmul outputs live at once, whatever scratch the CPU's matmul kernel takes; a
+    temporary freed inside a composite op is a tensor and counts."""
+    a, b = (torch.randn(512, 512, dtype=torch.bfloat16) for _ in range(2))
+    assert cpu_peak_bytes(lambda: (a @ b) @ b) == 2 * a.nbytes
+    # log_softmax casts its input to fp32 first and frees that copy before it returns.
+    assert cpu_peak_bytes(lambda: torch.log_softmax(a, dim=-1, dtype=torch.float32)) == 4 * a.nbytes
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -246,6 +280,40 @@ def test_ddp_bucket_overhead_matches_simulation(backward_seconds, latency):
     nearest = min(model.overhead(max(1, math.floor(best))), model.overhead(math.ceil(best)))
     assert nearest == pytest.approx(min(overheads))
     assert model.optimal_bucket_bytes() == pytest.approx(500e6 / best)
+
+
+# Figures worked by hand for 400 MB of gradients, 50 µs per all-reduce call and a bus bandwidth (nccl-tests'
+# busbw) of 100 GB/s. A ring all-reduce of b bytes on n ranks moves 2(n-1)/n · b through each link, so all
+# the gradients take 2(n-1)/n · 400e6 / 100e9 s: 4 ms on 2 ranks (factor 1), 6 ms on 4 (1.5), 7 ms on 8 (1.75).
+# Each is exact in decimal, so float64 rounding (~1e-15) is the only error: rel 1e-9 leaves room for it while a
+# missing ring factor, bits for bytes, a latency paid once or a hidden last bucket move them by over 1%.
+@pytest.mark.parametrize("world_size, backward_ms, num_buckets, overhead_ms", [
+    (2, 30, 1, 4.05),  # one bucket, ready as backward ends: the whole all-reduce, 0.05 + 4
+    (4, 30, 1, 6.05),  # 0.05 + 6
+    (8, 30, 1, 7.05),  # 0.05 + 7
+    (4, 30, 4, 1.55),  # 100 MB every 7.5 ms, each done 0.05 + 1.5 ms later: only the last one's 1.55 shows
+    (4, 2, 4, 4.7),  # ready at 0.5, 1, 1.5, 2 ms but 1.55 ms each: they queue, ending at 0.5 + 4 · 1.55 = 6.7
+    (4, 30, 480, 0.0625),  # 833,333 B each: 0.05 + 0.0125 = 0.0625 ms, just the 30 / 480 ms backward takes per
+    # bucket, so none waits and the last one shows
+    (4, 30, 10_000, 476.003),  # 40 kB each: 0.05 + 0.0006 ms, 10,000 take 506 ms from the first at 0.003;
+    # 476.003 after the backward's 30 ms, mostly latency · count = 500 ms
+], ids=["2ranks-one-bucket", "4ranks-one-bucket", "8ranks-one-bucket", "hidden", "queued", "balanced", "tiny"])
+def test_ddp_bucket_overhead_matches_figures_worked_by_hand(world_size, backward_ms, num_buckets, overhead_ms):
+    model = BucketedAllReduce(backward_seconds=backward_ms / 1e3, param_bytes=400e6, world_size=world_size,
+                              bandwidth=100e9, latency=50e-6)
+    assert model.overhead(num_buckets) * 1e3 == pytest.approx(overhead_ms, rel=1e-9)
+
+
+# The setting above on 4 ranks: 6 ms of transfers, 50 µs per call.
+@pytest.mark.parametrize("backward_ms, best", [
+    (30, 480),  # transfers hide when each bucket's 0.05 + 6 / n ms equals 30 / n: n = (30 - 6) / 0.05
+    (5, 10),  # the 6 ms outlast backward: 5 / n + 0.05 · n (+ 6 - 5) is least at n = sqrt(5 / 0.05)
+], ids=["transfers-hidden", "latency-bound"])
+def test_best_bucket_count_matches_figures_worked_by_hand(backward_ms, best):
+    model = BucketedAllReduce(backward_seconds=backward_ms / 1e3, param_bytes=400e6, world_size=4,
+                              bandwidth=100e9, latency=50e-6)
+    assert model.optimal_num_buckets() == pytest.approx(best, rel=1e-9)
+    assert model.optimal_bucket_bytes() == pytest.approx(400e6 / best, rel=1e-9)
 
 
 @pytest.mark.parametrize("call", [

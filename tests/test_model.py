@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from systems.model import (ATTENTION_BACKENDS, PRESETS, RMSNorm, RotaryEmbedding, TransformerLM,
-                           cross_entropy, get_config, naive_attention)
+from systems.model import (ATTENTION_BACKENDS, PRESETS, RMSNorm, RotaryEmbedding, SwiGLU, TransformerBlock,
+                           TransformerLM, check_token_ids, cross_entropy, get_config, naive_attention)
 from systems.optim import AdamW
 from systems.train import random_batch, train_step
 
@@ -64,15 +64,74 @@ def test_naive_attention_matches_explicit_loops():
     torch.testing.assert_close(naive_attention(q, k, v), expected)
 
 
-def test_rmsnorm_matches_float64_formula():
+def rmsnorm_formula(x, weight, eps=1e-5):
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+def rope_formula(x, theta):
+    """Pair (2i, 2i+1) at position m turned by the angle m * theta^(-2i / d_head), element by element."""
+    seq, d_head = x.shape[-2:]
+    out = torch.empty_like(x)
+    for m in range(seq):
+        for i in range(d_head // 2):
+            angle = m * theta ** (-2 * i / d_head)
+            even, odd = x[..., m, 2 * i], x[..., m, 2 * i + 1]
+            out[..., m, 2 * i] = even * math.cos(angle) - odd * math.sin(angle)
+            out[..., m, 2 * i + 1] = even * math.sin(angle) + odd * math.cos(angle)
+    return out
+
+
+def swiglu_formula(x, w1, w2, w3):
+    gate = x @ w1.T
+    return (gate * torch.sigmoid(gate) * (x @ w3.T)) @ w2.T
+
+
+# fp32: the rounding of a mean of 48 squares, a square root and two products, well under 1e-5. bf16: that
+# result rounded once to 8 significant bits, at most 2**-8 relative.
+@pytest.mark.parametrize(("dtype", "rtol"), [(torch.float32, 1e-5), (torch.bfloat16, 2**-8 + 1e-5)])
+def test_rmsnorm_matches_float64_formula(dtype, rtol):
     norm = RMSNorm(48)
     norm.weight.data = torch.randn(48)
-    x = torch.randn(4, 7, 48, dtype=torch.bfloat16) * 30
-    x64 = x.double()
-    expected = x64 / torch.sqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+    # Rows from 1e-4 to 10: mean(x²) from far below eps = 1e-5 to far above it.
+    x = (torch.randn(4, 7, 48) * torch.logspace(-4, 1, 7).view(7, 1)).to(dtype)
     out = norm(x)
-    assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), expected, rtol=1e-2, atol=1e-2)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), rmsnorm_formula(x.double(), norm.weight.double()), rtol=rtol, atol=0)
+
+
+def test_rope_matches_float64_formula():
+    rope = RotaryEmbedding(d_head=8, context_length=64, theta=500.0)
+    x = torch.randn(2, 3, 50, 8, dtype=torch.float64)
+    # The tables are fp32: their rounding, relative to the O(1) outputs.
+    torch.testing.assert_close(rope(x), rope_formula(x, 500.0), rtol=0, atol=1e-6)
+
+
+def test_swiglu_matches_float64_formula():
+    ffn = SwiGLU(32, 80).double()
+    x = torch.randn(3, 5, 32, dtype=torch.float64)
+    expected = swiglu_formula(x, ffn.w1.weight, ffn.w2.weight, ffn.w3.weight)
+    torch.testing.assert_close(ffn(x), expected)
+
+
+def test_block_matches_float64_formula():
+    """A pre-norm block written out from its weights: norms, heads, RoPE on q and k, causal softmax, residuals."""
+    config = get_config("tiny", attention="sdpa", rope_theta=1000.0)
+    block = TransformerBlock(config).double()
+    for norm in (block.attn_norm, block.ffn_norm):
+        norm.weight.data = torch.rand(config.d_model, dtype=torch.float64) + 0.5
+    x = torch.randn(2, 40, config.d_model, dtype=torch.float64)
+    batch, seq, heads, d_head = 2, 40, config.num_heads, config.d_head
+
+    h = rmsnorm_formula(x, block.attn_norm.weight)
+    q, k, v = (t.view(batch, seq, heads, d_head).transpose(1, 2) for t in (h @ block.attn.qkv.weight.T).chunk(3, -1))
+    q, k = rope_formula(q, 1000.0), rope_formula(k, 1000.0)
+    scores = (q @ k.transpose(-2, -1) / math.sqrt(d_head)).masked_fill(torch.ones(seq, seq).triu(1).bool(), -math.inf)
+    attended = (torch.softmax(scores, -1) @ v).transpose(1, 2).reshape(batch, seq, config.d_model)
+    mid = x + attended @ block.attn.out.weight.T
+    h = rmsnorm_formula(mid, block.ffn_norm.weight)
+    expected = mid + swiglu_formula(h, block.ffn.w1.weight, block.ffn.w2.weight, block.ffn.w3.weight)
+    # fp32 RoPE tables, as above.
+    torch.testing.assert_close(block(x), expected, rtol=0, atol=1e-5)
 
 
 def test_rope_scores_depend_only_on_relative_position():
@@ -84,12 +143,6 @@ def test_rope_scores_depend_only_on_relative_position():
     assert scores[10, 3].item() == pytest.approx(scores[40, 33].item(), rel=1e-5)
     assert scores[10, 3].item() != pytest.approx(scores[10, 4].item(), rel=1e-2)
     torch.testing.assert_close(rotated_q[0], q)  # position 0 is not rotated
-
-
-def test_rope_theta_is_configurable():
-    a = RotaryEmbedding(8, 16, theta=10_000.0)
-    b = RotaryEmbedding(8, 16, theta=500.0)
-    assert not torch.allclose(a.cos, b.cos)
 
 
 def test_loss_falls_when_overfitting_one_batch():
@@ -123,15 +176,74 @@ def test_cross_entropy_gradient_matches_torch():
     ("tokens", "error", "match"),
     [
         (torch.randint(100, (2, 8)).float(), TypeError, "int64 or int32"),
-        (torch.full((2, 8), 10_000), ValueError, r"\[0, 10000\)"),
-        (torch.full((2, 8), -1), ValueError, r"\[0, 10000\)"),
         (torch.randint(100, (2, 257)), ValueError, "exceeds context_length=256"),
         (torch.randint(100, (8,)), ValueError, r"\(batch, seq\)"),
     ],
 )
-def test_bad_tokens_get_clear_errors(tokens, error, match):
+@pytest.mark.parametrize("check_tokens", [False, True])
+def test_bad_token_shapes_get_clear_errors(tokens, error, match, check_tokens):
     with pytest.raises(error, match=match):
+        TransformerLM(get_config("tiny", check_tokens=check_tokens))(tokens)
+
+
+@pytest.mark.parametrize("bad_id", [10_000, -1])
+def test_out_of_range_ids_get_a_clear_error_in_debug_mode(bad_id):
+    tokens = torch.randint(100, (2, 8))
+    tokens[1, 5] = bad_id
+    with pytest.raises(ValueError, match=r"\[0, 10000\)"):
+        TransformerLM(get_config("tiny", check_tokens=True))(tokens)
+    with pytest.raises(ValueError, match=r"\[0, 10000\)"):
+        check_token_ids(tokens, 10_000)
+    with pytest.raises(IndexError):  # unchecked, the CPU embedding still refuses it
         TransformerLM(get_config("tiny"))(tokens)
+
+
+def test_forward_compiles_to_one_graph():
+    """No range check on the hot path: it would read the ids back to the host and break the graph."""
+    model = TransformerLM(get_config("tiny"))
+    tokens, _ = random_batch(model.config, 2, 16, torch.device("cpu"))
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(tokens), model(tokens))
+
+
+@pytest.mark.parametrize("attention", ["naive", "sdpa"])
+@pytest.mark.parametrize("shape", [(0, 8), (2, 0)], ids=["no-sequences", "no-tokens"])
+def test_empty_batch_gives_empty_logits(attention, shape):
+    model = TransformerLM(get_config("tiny", attention=attention))
+    logits = model(torch.randint(100, shape))
+    assert logits.shape == (*shape, model.config.vocab_size)
+    logits.sum().backward()
+    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+
+
+def test_cross_entropy_of_no_targets_is_an_error():
+    """Its mean over nothing would be NaN."""
+    with pytest.raises(ValueError, match="at least one target"):
+        cross_entropy(torch.randn(2, 0, 50), torch.zeros(2, 0, dtype=torch.int64))
+
+
+@pytest.mark.parametrize(("field", "value", "error"), [
+    ("num_layers", 0, ValueError),
+    ("num_layers", -1, ValueError),
+    ("num_heads", 0, ValueError),
+    ("d_model", 0, ValueError),
+    ("d_ff", -4, ValueError),
+    ("vocab_size", 0, ValueError),
+    ("context_length", 0, ValueError),
+    ("d_model", "64", TypeError),
+    ("d_model", 64.0, TypeError),
+    ("num_heads", True, TypeError),
+    ("rope_theta", 0.0, ValueError),
+    ("rope_theta", -10_000.0, ValueError),
+    ("rope_theta", math.inf, ValueError),
+    ("rope_theta", math.nan, ValueError),
+    ("rope_theta", "10000", TypeError),
+    ("check_tokens", 1, TypeError),
+])
+def test_bad_config_fields_are_rejected_by_name(field, value, error):
+    with pytest.raises(error, match=f"^{field} must") as caught:
+        get_config("tiny", **{field: value})
+    assert str(value) in str(caught.value)
 
 
 def test_unknown_preset_and_backend_are_rejected():

@@ -1,64 +1,83 @@
+import math
+import os
+
 import pytest
 import torch
 
-from systems.optim import AdamW, adamw_update_fused, adamw_update_torch, clip_grad_norm
+from systems import optim
+from systems.optim import AdamW, clip_grad_norm
 
 
-def _train_pair(ours_cls, device, steps=10, **hyper):
-    """Run our optimizer and torch.optim.AdamW on identical parameters and gradients."""
-    shapes = [(33, 17), (129,), (4, 5, 6)]
-    ours = [torch.randn(s, device=device, requires_grad=True) for s in shapes]
-    theirs = [p.detach().clone().requires_grad_() for p in ours]
-    opt_ours, opt_theirs = ours_cls(ours, **hyper), torch.optim.AdamW(theirs, **hyper)
-    for _ in range(steps):
-        for a, b in zip(ours, theirs):
-            a.grad = torch.randn_like(a)
-            b.grad = a.grad.clone()
-        opt_ours.step()
-        opt_theirs.step()
-    return ours, theirs
+LRS = [1e-2, 1e-2, 3e-2, 3e-2, 1e-3, 1e-3]  # a schedule, set through param_groups as schedulers do
+LATE = 2  # the parameter whose first gradient comes at step 2: it counts its own steps
+SHAPES = [(50, 100), (1,), (64, 64), (4097,), (3, 100)]  # around the fused kernel's 4096-element blocks
 
 
-@pytest.mark.parametrize("hyper", [
-    dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1),
-    dict(lr=3e-3, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.0),
-])
-def test_adamw_matches_torch(hyper):
-    ours, theirs = _train_pair(AdamW, torch.device("cpu"), **hyper)
+def _train_pair(device, weights=torch.float32, **hyper):
+    """Our AdamW and torch.optim.AdamW from a zero state, as training starts: the first steps are where
+    bias correction and eps matter. Gradients span 1e-5 to 1e-1 (so an eps of 1e-3 lies among them), the
+    learning rate changes between steps, and one parameter joins late. torch's parameters are fp32
+    copies of ours, fed the same gradients. Returns ours, theirs and our optimizer."""
+    ours = [torch.nn.Parameter(torch.randn(s, device=device).to(weights)) for s in SHAPES]
+    theirs = [torch.nn.Parameter(p.detach().to(torch.float32, copy=True)) for p in ours]
+    optimizers = AdamW(ours, lr=LRS[0], **hyper), torch.optim.AdamW(theirs, lr=LRS[0], **hyper)
+    for step, lr in enumerate(LRS):
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            if i != LATE or step >= 2:
+                scale = 10 ** torch.empty(b.shape, device=device).uniform_(-5, -1)
+                a.grad = (torch.randn_like(b) * scale).to(weights)
+                b.grad = a.grad.float()
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            optimizer.step()
+    return ours, theirs, optimizers[0]
+
+
+def _assert_follows_torch(ours, theirs, optimizer):
+    """The fp32 masters (the parameters themselves in fp32) match torch's parameters and moments."""
     for a, b in zip(ours, theirs):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        state = optimizer.state[a]
+        master = state.get("master", a)
+        assert master.dtype == state["exp_avg"].dtype == torch.float32
+        # Six steps of a few fp32 roundings each on O(1) values.
+        torch.testing.assert_close(master.detach(), b.detach(), rtol=1e-6, atol=1e-6)
 
 
+HYPER = [dict(betas=(0.9, 0.999), eps=1e-3, weight_decay=0.1), dict(betas=(0.8, 0.95), eps=1e-6, weight_decay=0.0)]
+
+
+@pytest.mark.parametrize("hyper", HYPER)
+def test_adamw_matches_torch(hyper):
+    _assert_follows_torch(*_train_pair(torch.device("cpu"), **hyper))
+
+
+@pytest.fixture
+def fused_path(device_kind, monkeypatch):
+    """On a CPU, send every parameter through the fused Triton kernel, which the interpreter runs there."""
+    if device_kind == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":  # conftest sets it where there is no GPU
+            pytest.skip("Triton kernels run on CPU tensors only under TRITON_INTERPRET=1")
+        monkeypatch.setattr(optim, "_fusable", lambda p: True)
+    return torch.device(device_kind)
+
+
+@pytest.mark.parametrize("device_kind", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16, torch.float16])
-def test_fused_kernel_matches_torch_update(weights):
-    """One Triton launch (interpreted on a CPU) updates tensors of mixed sizes and step counts
-    exactly as the torch ops do, one tensor at a time; bf16/fp16 weights through fp32 masters."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    sizes, steps = [5000, 1, 4096, 4097, 300], [3, 1, 7, 3, 12]
-    masters = [torch.randn(n, device=device) for n in sizes]
-    params = [m.to(weights) if weights != torch.float32 else m for m in masters]
-    grads = [torch.randn(n, device=device).to(weights) for n in sizes]
-    moments = [(torch.randn(n, device=device), torch.rand(n, device=device)) for n in sizes]
-    hyper = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.05)
-    expected = [[t.clone() for t in (m, *mv)] for m, mv in zip(masters, moments)]
-    for (master, m, v), g, step in zip(expected, grads, steps):
-        adamw_update_torch(master, g.float(), m, v, step=step, **hyper)
-    for p, g in zip(params, grads):
-        p.grad = g
-    states = [dict(exp_avg=m, exp_avg_sq=v, step=s) for (m, v), s in zip(moments, steps)]
-    if weights != torch.float32:
-        for state, master in zip(states, masters):
-            state["master"] = master
-    adamw_update_fused(params, states, **hyper)
-    for master, p, (m, v), (want_master, want_m, want_v) in zip(masters, params, moments, expected):
-        for got, want in ((master, want_master), (m, want_m), (v, want_v)):
-            torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
-        if weights == torch.float32:
-            continue
-        if device.type == "cuda":
-            assert torch.equal(p, master.to(weights))  # the master, rounded to nearest even as torch does
-        else:  # the interpreter's fp32 -> bf16 conversion truncates: allow one unit in the last place
-            torch.testing.assert_close(p, master.to(weights), rtol=torch.finfo(weights).eps, atol=0)
+@pytest.mark.parametrize("hyper", HYPER)
+def test_fused_adamw_matches_torch(fused_path, weights, hyper):
+    """One launch per step updates tensors of mixed sizes and step counts; bf16/fp16 weights through fp32
+    masters, each weight its master rounded."""
+    ours, theirs, optimizer = _train_pair(fused_path, weights, **hyper)
+    _assert_follows_torch(ours, theirs, optimizer)
+    if weights == torch.float32:
+        return
+    for p in ours:
+        master = optimizer.state[p]["master"]
+        if fused_path.type == "cuda":
+            assert torch.equal(p.detach(), master.to(weights))  # rounded to nearest even, as torch does
+        else:  # the interpreter's fp32 -> bf16/fp16 conversion truncates: one unit in the last place
+            torch.testing.assert_close(p.detach(), master.to(weights), rtol=torch.finfo(weights).eps, atol=0)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -95,16 +114,21 @@ def test_state_dict_round_trip_keeps_fp32_masters():
         assert torch.equal(restored.state[weight][key], value)
 
 
-@pytest.mark.gpu
-def test_adamw_on_cuda_matches_torch():
-    ours, theirs = _train_pair(AdamW, torch.device("cuda"), lr=1e-2, weight_decay=0.1)
-    for a, b in zip(ours, theirs):
-        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
-
-
-@pytest.mark.parametrize("bad", [dict(lr=-1.0), dict(betas=(0.9, 1.0)), dict(weight_decay=-0.1)])
-def test_adamw_rejects_bad_hyperparameters(bad):
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(("bad", "error", "match"), [
+    (dict(lr=-1.0), ValueError, "lr must be finite and non-negative, got -1.0"),
+    (dict(lr=math.nan), ValueError, "lr must be finite and non-negative, got nan"),
+    (dict(lr=math.inf), ValueError, "lr must be finite and non-negative, got inf"),
+    (dict(lr="1e-3"), TypeError, "lr must be a float, got '1e-3'"),
+    (dict(eps=math.nan), ValueError, "eps must be finite and non-negative, got nan"),
+    (dict(weight_decay=-0.1), ValueError, "weight_decay must be finite and non-negative, got -0.1"),
+    (dict(betas=(0.9,)), ValueError, r"betas must be a pair \(beta1, beta2\), got \(0.9,\)"),
+    (dict(betas=0.9), ValueError, r"betas must be a pair \(beta1, beta2\), got 0.9"),
+    (dict(betas=(0.9, 1.0)), ValueError, r"beta2 must lie in \[0, 1\), got 1.0"),
+    (dict(betas=(math.nan, 0.999)), ValueError, r"beta1 must lie in \[0, 1\), got nan"),
+    (dict(betas=(-0.1, 0.999)), ValueError, r"beta1 must lie in \[0, 1\), got -0.1"),
+])
+def test_adamw_rejects_bad_hyperparameters(bad, error, match):
+    with pytest.raises(error, match=match):
         AdamW([torch.nn.Parameter(torch.randn(3))], **bad)
 
 

@@ -4,8 +4,9 @@ Every rank trains two copies of one model on the same batches: one with ShardedO
 one with plain AdamW. Each parameter is updated by the same AdamW arithmetic on the rank that
 owns it and broadcast to the others, so after 10 steps with weight decay the copies must agree,
 the tied embedding/output weight included, while each rank holds state for its shard only. A
-parameter group added mid-training, zero_grad with and without set_to_none, and a generator of
-parameters are exercised along the way.
+parameter group added mid-training, a learning rate decayed through `param_groups` every step (as
+schedulers do), zero_grad with and without set_to_none, and a generator of parameters are exercised
+along the way.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from systems.distributed import launch, rank_device
 from systems.optim import AdamW, ShardedOptimizer
 
 VOCAB, WIDTH, HIDDEN, STEPS, ADD_GROUP_AT, SEED = 31, 12, 40, 10, 3, 99
+LR_DECAY = 0.7  # per step: the last steps' learning rate is a twentieth of the first's
 ADAMW = dict(lr=0.02, weight_decay=0.1)
 EXTRA_GROUP = dict(lr=0.05, weight_decay=0.0)
 
@@ -62,6 +64,8 @@ def train_both() -> dict:
                 loss = loss + (extra.sin() * loss).sum()
             loss.backward()
             optimizer.step()
+            for group in optimizer.param_groups:
+                group["lr"] *= LR_DECAY
         set_to_none = step % 2 == 0
         sharded.zero_grad(set_to_none=set_to_none)
         plain.zero_grad()
