@@ -13,8 +13,10 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(q kᵀ/√d) v and the row log-sum-exp of the scaled scores, in the inputs' dtype.
 
-    q: (..., n_queries, d), k and v: (..., n_keys, d). With `is_causal`, query i sees keys j <= i.
+    q: (batch, [heads,] n_queries, d), k and v: (batch, [heads,] n_keys, d). With `is_causal`, query i sees
+    keys j <= i. float64 is accepted as well, for computing the expected values of tests.
     """
+    check_inputs(q, k, v, is_causal, dtypes=SUPPORTED_DTYPES + (torch.float64,))
     scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (..., n_queries, n_keys)
     if is_causal:
         n_queries, n_keys = scores.shape[-2:]
@@ -25,15 +27,15 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                 max_head_dim: int | None = None) -> None:
+                 max_head_dim: int | None = None, dtypes: tuple[torch.dtype, ...] = SUPPORTED_DTYPES) -> None:
     """Raise TypeError/ValueError unless q, k, v are (batch, [heads,] seq, d) tensors that fit together."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
-    if q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"q has dtype {q.dtype}; supported are {[str(d) for d in SUPPORTED_DTYPES]}")
+    if q.dtype not in dtypes:
+        raise TypeError(f"q has dtype {q.dtype}; supported are {[str(d) for d in dtypes]}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.device != q.device or v.device != q.device:

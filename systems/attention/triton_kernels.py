@@ -61,6 +61,32 @@ L2_MULTIPLE_TO_INTERLEAVE = {"forward": 2, "backward": 1}
 INTERPRETED_L2_BYTES = 64 * 2**10
 
 
+def _index_interpreted_scalars_of_any_rank() -> None:
+    """Let the interpreter of Triton 3.6 and older take computed loop bounds under NumPy 2.4 and newer.
+
+    The interpreter holds scalars as 1-element arrays of rank 1, and before Triton 3.7 it turns them into the
+    ints of `range(lo, hi, step)` with int(array), which NumPy 2.4 refuses for rank > 0. Triton 3.7 squeezes
+    the array first; so does this patch. Before 3.6 the interpreter patches tensors for good, without a scope.
+    """
+    from triton.runtime import interpreter
+
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_tensor_squeezing(tensor, *scope):
+        patch_tensor(tensor, *scope)
+        index = lambda self: int(self.handle.data.squeeze())  # noqa: E731
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
+
+    interpreter._patch_lang_tensor = patch_tensor_squeezing
+
+
+if INTERPRETING and tuple(int(part) for part in triton.__version__.split(".")[:2]) < (3, 7):
+    _index_interpreted_scalars_of_any_rank()
+
+
 @triton.jit
 def _load_tile(ptrs, rows, n_rows, cols, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CHECK_ROWS: tl.constexpr):
     """A (rows, D_PAD) tile, zero in rows past n_rows (if CHECK_ROWS) and in the head-dim padding."""
@@ -335,7 +361,6 @@ def _bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
 def _bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, n_keys,
                   qk_scale, lo, hi, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                   INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    # Key rows past n_keys load as zeros (k and v) and so add exactly zero to dQ.
     offs_d = tl.arange(0, D_PAD)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -345,8 +370,13 @@ def _bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, 
                        offs_n, n_keys, offs_d, HEAD_DIM, D_PAD, MASKED)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(qk * qk_scale - lse[:, None])
-        if MASKED and CAUSAL:
-            p = tl.where(offs_n[None, :] <= offs_m[:, None], p, 0.0)
+        if MASKED:
+            # Key rows past n_keys load as zeros, so their scores are 0: where a row's real scores are all far
+            # below 0, exp2(0 - L) overflows to inf, and inf times their zero k would make dQ NaN.
+            visible = offs_n[None, :] < n_keys
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None])
+            p = tl.where(visible, p, 0.0)
         # dP after the softmax: issued before it, as in the dK/dV kernel, it measured up to 25% slower at d 64.
         dp = tl.dot(do, tl.trans(v), input_precision=INPUT_PRECISION)
         ds = p * (dp - delta[:, None])
@@ -420,9 +450,6 @@ def _launch(name: str, grid, *args, dtype: torch.dtype, **shape) -> None:
     """
     short, tuned = _KERNELS[name]
     kernel = tuned if max(shape["n_queries"], shape["n_keys"]) >= TUNE_FROM_SEQ and not INTERPRETING else short
-    if torch.compiler.is_compiling():  # the autotuner goes into the compiled graph as it is
-        kernel[grid](*args, **shape)
-        return
     key = (name, dtype, *shape.values())
     config = _chosen.get(key)
     if config is None:
@@ -526,16 +553,58 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t if t.dim() == 4 else t.unsqueeze(1)  # (batch, seq, d) -> (batch, 1, seq, d)
 
 
+def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """O (q's shape and dtype) and the fp32 log-sum-exp L (q's shape without d) of q, k, v."""
+    o, lse = _forward(_as_4d(q), _as_4d(k), _as_4d(v), is_causal)
+    return o.view(q.shape), lse.view(q.shape[:-1])
+
+
+def _attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
+                        lse: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dQ, dK, dV from the inputs, the output, its gradient and its log-sum-exp."""
+    q4 = _as_4d(q)
+    lse = lse.contiguous().view(q4.shape[:-1])  # the kernels index L by row
+    dq, dk, dv = _backward(q4, _as_4d(k), _as_4d(v), _as_4d(o), _as_4d(do), lse, is_causal)
+    return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape)
+
+
+# Under torch.compile the launches are custom ops, opaque to it: inside them sizes are plain ints, so the
+# host-side decisions (tiles, key splits, launch order, the launch cache) never meet symbolic sizes, and a
+# compiled caller neither breaks its graph nor recompiles for each new sequence length.
+flash_attention_forward = torch.library.custom_op("systems::flash_attention_forward", _attention_forward,
+                                                  mutates_args=())
+flash_attention_backward = torch.library.custom_op("systems::flash_attention_backward", _attention_backward,
+                                                   mutates_args=())
+
+
+@flash_attention_forward.register_fake
+def _(q, k, v, is_causal):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:-1], dtype=torch.float32)
+
+
+@flash_attention_backward.register_fake
+def _(q, k, v, o, do, lse, is_causal):
+    return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
 class FlashAttentionTriton(torch.autograd.Function):
-    """`FlashAttentionTriton.apply(q, k, v, is_causal=False)`: q (batch, [heads,] n_queries, d), d <= 128."""
+    """`FlashAttentionTriton.apply(q, k, v, is_causal=False)`: q (batch, [heads,] n_queries, d), d <= 128.
+
+    Eager calls run the launches directly: the custom ops' dispatch costs tens of microseconds a call, much of
+    the host time of a short sequence.
+    """
 
     @staticmethod
     def forward(ctx, q, k, v, is_causal=False):
         check_inputs(q, k, v, is_causal, max_head_dim=MAX_HEAD_DIM)
         if q.device.type != "cuda" and not INTERPRETING:
             raise ValueError(f"FlashAttentionTriton needs CUDA tensors (or TRITON_INTERPRET=1), got {q.device}")
-        o, lse = _forward(_as_4d(q), _as_4d(k), _as_4d(v), is_causal)
-        o, lse = o.view(q.shape), lse.view(q.shape[:-1])
+        if INTERPRETING and q.dtype == torch.bfloat16:
+            raise TypeError("FlashAttentionTriton cannot run bfloat16 under TRITON_INTERPRET=1: the interpreter's "
+                            "bf16 tl.dot gives wrong results; use float16 or float32 there, bfloat16 on a GPU")
+        attend = flash_attention_forward if torch.compiler.is_compiling() else _attention_forward
+        o, lse = attend(q, k, v, is_causal)
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.is_causal = is_causal
         return o
@@ -543,7 +612,6 @@ class FlashAttentionTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        q4 = _as_4d(q)
-        dq, dk, dv = _backward(q4, _as_4d(k), _as_4d(v), _as_4d(o), _as_4d(do), lse.view(q4.shape[:-1]),
-                               ctx.is_causal)
-        return dq.view(q.shape), dk.view(k.shape), dv.view(v.shape), None
+        gradients = flash_attention_backward if torch.compiler.is_compiling() else _attention_backward
+        dq, dk, dv = gradients(q, k, v, o, do, lse, ctx.is_causal)
+        return dq, dk, dv, None
