@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 BACKENDS = ("gloo", "nccl")
+REPORT_GRACE = 1.0  # seconds; see _collect
 
 
 class RankFailed(RuntimeError):
@@ -220,41 +221,65 @@ def _die_with_parent() -> None:
 
 
 def _collect(ranks, results, deadline: float, timeout: float) -> list:
-    outcomes = {}
+    """The ranks' results in rank order, or the error of the rank that failed first.
+
+    A failure is raised `REPORT_GRACE` seconds after it shows: long enough for a dead rank's last report
+    to arrive, and for the death that a survivor's error follows from (a peer gone mid-collective
+    breaks the survivor's connection) to show, so that the rank named is the one that failed.
+    """
+    outcomes, reported, died = {}, {}, {}
     while len(outcomes) < len(ranks):
         try:
-            outcomes.update(_as_outcome(results.get(timeout=max(0.0, min(0.2, deadline - time.monotonic())))))
+            rank, status, payload = results.get(timeout=max(0.0, min(0.2, deadline - time.monotonic())))
+            if status == "ok":
+                outcomes[rank] = pickle.loads(payload)
+            else:
+                reported.setdefault(rank, (time.monotonic(), _rank_error(rank, status, payload)))
         except queue.Empty:
-            _check_progress(ranks, outcomes, results, deadline, timeout)
+            pass
+        for rank, process in enumerate(ranks):
+            if rank not in outcomes and rank not in reported and process.exitcode is not None:
+                died.setdefault(rank, time.monotonic())
+        _raise_failure(ranks, outcomes, reported, died)
+        _raise_at_deadline(ranks, outcomes, deadline, timeout)
     return [outcomes[rank] for rank in range(len(ranks))]
 
 
-def _as_outcome(item) -> dict:
-    rank, status, payload = item
-    if status == "ok":
-        return {rank: pickle.loads(payload)}
+def _rank_error(rank: int, status: str, payload: str) -> RankFailed:
     error = RankOutOfMemory if status == "oom" else RankFailed
-    raise error(f"rank {rank} failed: {payload.strip().splitlines()[-1]}\n{payload}")
+    return error(f"rank {rank} failed: {payload.strip().splitlines()[-1]}\n{payload}")
 
 
-def _check_progress(ranks, outcomes, results, deadline: float, timeout: float) -> None:
-    """Fail on a rank that died without reporting, or on ranks still running at the deadline."""
-    for rank, process in enumerate(ranks):
-        if rank not in outcomes and process.exitcode is not None:
-            try:  # its report may still be in flight
-                outcomes.update(_as_outcome(results.get(timeout=1.0)))
-            except queue.Empty:
-                pass
-            if rank not in outcomes:
-                raise RankFailed(f"rank {rank} exited with code {process.exitcode} without reporting a result")
-    if time.monotonic() >= deadline:
-        hung = [rank for rank in range(len(ranks)) if rank not in outcomes]
-        for rank in hung:
-            if ranks[rank].is_alive():
-                os.kill(ranks[rank].pid, signal.SIGUSR1)
-        time.sleep(0.5)  # let faulthandler write their stacks to stderr
-        names = ", ".join(f"rank {rank}" for rank in hung)
-        raise RankTimeout(f"did not finish within {timeout:g} s and were killed (stacks on stderr): {names}")
+def _raise_failure(ranks, outcomes: dict, reported: dict, died: dict) -> None:
+    """Once the first sign of a failure is `REPORT_GRACE` seconds old, raise for the first rank that died
+    without reporting (a survivor's error may follow from it), or else for the first error reported."""
+    dead = [rank for rank in sorted(died, key=died.get) if rank not in outcomes and rank not in reported]
+    signs = [seen for seen, _ in reported.values()] + [died[rank] for rank in dead]
+    if not signs or time.monotonic() - min(signs) < REPORT_GRACE:
+        return
+    first_error = min(reported.values(), key=lambda sign: sign[0], default=(None, None))[1]
+    if dead:
+        message = f"rank {dead[0]} {_death(ranks[dead[0]].exitcode)} without reporting a result"
+        raise RankFailed(message) from first_error
+    raise first_error
+
+
+def _death(exitcode: int) -> str:
+    if exitcode < 0:
+        return f"was killed by {signal.Signals(-exitcode).name}"
+    return f"exited with code {exitcode}"
+
+
+def _raise_at_deadline(ranks, outcomes: dict, deadline: float, timeout: float) -> None:
+    if time.monotonic() < deadline:
+        return
+    hung = [rank for rank in range(len(ranks)) if rank not in outcomes]
+    for rank in hung:
+        if ranks[rank].is_alive():
+            os.kill(ranks[rank].pid, signal.SIGUSR1)
+    time.sleep(0.5)  # let faulthandler write their stacks to stderr
+    names = ", ".join(f"rank {rank}" for rank in hung)
+    raise RankTimeout(f"did not finish within {timeout:g} s and were killed (stacks on stderr): {names}")
 
 
 def _reap(ranks, grace: float) -> None:

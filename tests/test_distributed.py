@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -16,11 +17,14 @@ import torch.distributed as dist
 
 from systems.accounting import count_parameters
 from systems.ddp_train import TrainSpec, train
-from systems.distributed import RankFailed, RankPool, RankPools, RankTimeout, launch
+from systems.distributed import RankFailed, RankPool, RankPools, RankTimeout, launch, rank_device
 from systems.model import get_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-FAULT_TIMEOUT = 5.0
+HANG_TIMEOUT = 5.0
+# A dead rank must fail the call long before this deadline: the harness waits its 1 s REPORT_GRACE, then
+# up to 5 s for the survivors to take SIGTERM; 30 s leaves room for a loaded 2-core machine.
+DEATH_TIMEOUT, PROMPT = 300.0, 30.0
 
 
 def sum_of_ranks(scale: float) -> tuple[int, float, int]:
@@ -33,36 +37,48 @@ def rank_and_pid() -> tuple[int, int]:
     return dist.get_rank(), os.getpid()
 
 
-def misbehave(fault: str, pid_dir: str) -> str:
-    """Rank 1 commits `fault`; rank 0 is fine. Each rank leaves its pid behind."""
+def misbehave(fault: str, rank_0_waits: bool, pid_dir: str) -> str:
+    """Rank 1 commits `fault`; rank 0 returns, or waits for rank 1 in an all-reduce. Each rank leaves its
+    pid behind."""
     pathlib.Path(pid_dir, str(dist.get_rank())).write_text(str(os.getpid()))
     if dist.get_rank() == 1:
         if fault == "raise":
             raise ValueError("bad input on rank 1")
         if fault == "exit":
             os._exit(3)
+        if fault == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(3600)
+    if rank_0_waits:
+        dist.all_reduce(torch.ones(3, device=rank_device()))
     return "done"
 
 
-@pytest.mark.parametrize("fault, error, message", [
-    ("raise", RankFailed, r"(?s)rank 1 failed: ValueError: bad input on rank 1\n.*Traceback"),
-    ("exit", RankFailed, "rank 1 exited with code 3"),
-    ("hang", RankTimeout, f"did not finish within {FAULT_TIMEOUT:g} s .*: rank 1$"),
-], ids=["raise", "exit", "hang"])
-def test_a_faulty_rank_fails_the_call_by_name_and_leaves_no_process(tmp_path, fault, error, message):
-    with RankPool(2, timeout=120) as pool:
+@pytest.mark.parametrize("fault, rank_0_waits, timeout, error, message", [
+    ("raise", True, DEATH_TIMEOUT, RankFailed, r"(?s)rank 1 failed: ValueError: bad input on rank 1\n.*Traceback"),
+    ("exit", False, DEATH_TIMEOUT, RankFailed, "rank 1 exited with code 3 without reporting"),
+    ("exit", True, DEATH_TIMEOUT, RankFailed, "rank 1 exited with code 3 without reporting"),
+    ("kill", True, DEATH_TIMEOUT, RankFailed, "rank 1 was killed by SIGKILL without reporting"),
+    ("hang", False, HANG_TIMEOUT, RankTimeout, f"did not finish within {HANG_TIMEOUT:g} s .*: rank 1$"),
+], ids=["raise", "exit", "exit-in-all-reduce", "kill-in-all-reduce", "hang"])
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.multigpu(2))])
+def test_a_faulty_rank_fails_the_call_promptly_by_name_and_leaves_no_process(tmp_path, backend, fault, rank_0_waits,
+                                                                              timeout, error, message):
+    """A rank that raises or dies fails the call long before its deadline, naming that rank, also where rank 0
+    waits for it in an all-reduce (there gloo fails rank 0 too, and NCCL hangs it); a hung rank fails the call at
+    its deadline."""
+    with RankPool(2, backend=backend, timeout=DEATH_TIMEOUT) as pool:
         pool.run(rank_and_pid)  # started up: from here on only the fault can be slow
         start = time.monotonic()
         with pytest.raises(error, match=message) as raised:
-            pool.run(misbehave, fault, str(tmp_path), timeout=FAULT_TIMEOUT)
-        assert time.monotonic() - start < FAULT_TIMEOUT + 5
+            pool.run(misbehave, fault, rank_0_waits, str(tmp_path), timeout=timeout)
+        assert time.monotonic() - start < (HANG_TIMEOUT + 5 if fault == "hang" else PROMPT)
+        pids = [int(path.read_text()) for path in tmp_path.iterdir()]
+        assert len(pids) == 2
+        for pid in pids:  # the failed call itself killed and reaped every rank, not the pool's close
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
     assert "rank 0" not in str(raised.value)
-    pids = [int(path.read_text()) for path in tmp_path.iterdir()]
-    assert len(pids) == 2
-    for pid in pids:
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
 
 
 def test_pools_run_jobs_in_the_same_ranks_and_start_afresh_after_a_failure(tmp_path):
@@ -71,7 +87,7 @@ def test_pools_run_jobs_in_the_same_ranks_and_start_afresh_after_a_failure(tmp_p
         assert pools.run(2, "gloo", sum_of_ranks, 10.0) == [(0, 30.0, 2), (1, 30.0, 2)]
         assert pools.run(2, "gloo", rank_and_pid) == first
         with pytest.raises(RankFailed, match="rank 1 failed: ValueError: bad input on rank 1"):
-            pools.run(2, "gloo", misbehave, "raise", str(tmp_path))
+            pools.run(2, "gloo", misbehave, "raise", False, str(tmp_path))
         for _, pid in first:  # the failed pool is gone ...
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
@@ -90,18 +106,23 @@ def test_launch_rejects_bad_arguments(bad):
 
 
 def test_training_under_torchrun_matches_one_process():
-    """Two ranks on halves of each batch reach the losses of one process on the whole batch."""
+    """Two ranks on halves of each batch reach the losses of one process on the whole batch (both under
+    torchrun on gloo, so both on the CPU, also where a GPU is present)."""
     spec = dict(preset="tiny", variant="bucketed", bucket_size_mb=1.0, batch_size=2, context=32, warmup=0, steps=3)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+    two_ranks = torchrun_losses(2, spec)
+    one_process = torchrun_losses(1, spec | dict(variant="single", batch_size=4))
+    assert len(two_ranks) == 3
+    torch.testing.assert_close(torch.tensor(two_ranks), torch.tensor(one_process), rtol=1e-5, atol=0)
+
+
+def torchrun_losses(ranks: int, spec: dict) -> list[float]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                "-m", "systems.ddp_train", "--backend", "gloo"]
     command += [f"--{key.replace('_', '-')}={value}" for key, value in spec.items()]
     env = os.environ | {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr
-    losses = [float(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("step ")]
-    expected = train(TrainSpec(**spec | dict(variant="single", batch_size=4)))["losses"]
-    assert len(losses) == 3
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(expected), rtol=1e-5, atol=0)
+    return [float(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("step ")]
 
 
 @pytest.mark.parametrize("precision, bytes_per_parameter", [("fp32", 8), ("bf16-weights", 12)])
