@@ -2,56 +2,101 @@
 
 from __future__ import annotations
 
+import argparse
 import gc
-import json
+import math
 import os
 import pathlib
 import subprocess
 import zlib
+from collections import defaultdict
 
 
-def _pin_xdist_worker_to_gpu() -> None:
-    """Give each pytest-xdist worker its own GPU. Must run before torch initializes CUDA."""
+def worker_gpus(worker: int, workers: int, gpus: list[str]) -> list[str]:
+    """The GPUs that pytest-xdist worker `worker` of `workers` sees, as CUDA_VISIBLE_DEVICES lists them.
+
+    Each worker owns a share of len(gpus) // workers GPUs (at least one; more workers than GPUs share them
+    round robin) and sees it first, so single-GPU tests, which run on cuda:0, of different workers land
+    on different GPUs. It sees the other GPUs after its share: a multi-GPU test spawns one rank per GPU
+    from the worker's list, starting with its share, and the machine's real GPU count decides its skip.
+    """
+    if not gpus:
+        return []
+    share = max(1, len(gpus) // workers)
+    start = worker * share % len(gpus)
+    return gpus[start:] + gpus[:start]
+
+
+def _visible_gpus() -> list[str]:
+    """The GPUs this run may use, without initializing CUDA: CUDA_VISIBLE_DEVICES, else nvidia-smi's."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return [gpu.strip() for gpu in visible.split(",") if gpu.strip()]
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return out.split()
+
+
+def _pin_xdist_worker_to_gpus() -> None:
+    """Order the GPUs of a pytest-xdist worker as worker_gpus says. Must run before torch initializes CUDA."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ...
     if worker is None:
         return
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        gpus = [g for g in visible.split(",") if g.strip()]
-    else:
-        try:
-            out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"],
-                                 capture_output=True, text=True, timeout=30, check=True).stdout
-        except (OSError, subprocess.SubprocessError):
-            return
-        gpus = out.split()
+    gpus = worker_gpus(int(worker.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"]), _visible_gpus())
     if gpus:
-        os.environ["CUDA_VISIBLE_DEVICES"] = gpus[int(worker.removeprefix("gw")) % len(gpus)]
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(gpus)
 
 
-_pin_xdist_worker_to_gpu()
+_pin_xdist_worker_to_gpus()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
+from pytest_benchmark.utils import get_tag, parse_compare_fail  # noqa: E402
 
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through the interpreter; read when kernels are first defined.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from systems.benchmarking import device_info  # noqa: E402
-from systems.model import PRESETS  # noqa: E402
+from systems.benchmarking import ATTENTION_IMPLS, DTYPES, device_info  # noqa: E402
+from systems.distributed import BACKENDS  # noqa: E402
+from systems.gate import RevisionGate  # noqa: E402
+from systems.history import Histories  # noqa: E402
+from systems.model import ATTENTION_BACKENDS, PRESETS  # noqa: E402
+from systems.train import PRECISIONS  # noqa: E402
 
-settings.register_profile("dev", max_examples=20)
+pytest_plugins = ["pytester"]
+
+# No deadlines: every property test here runs kernels or models, whose time is compute (a first call's
+# compilation, the Triton interpreter, the load of `pytest -n`), not a property of the drawn example.
+settings.register_profile("dev", max_examples=20, deadline=None)
 settings.register_profile("ci", max_examples=25, derandomize=True, deadline=None, print_blob=True)
-settings.register_profile("gpu", max_examples=100, deadline=None)
+# More examples where they are cheap: HYPOTHESIS_MAX_EXAMPLES=1000 HYPOTHESIS_PROFILE=gpu for a long search.
+settings.register_profile("gpu", max_examples=int(os.environ.get("HYPOTHESIS_MAX_EXAMPLES", 100)), deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
 def _csv(kind):
     def parse(text: str) -> list:
-        return [kind(item) for item in text.split(",") if item.strip()]
+        try:
+            return [kind(item) for item in text.split(",") if item.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of {kind.__name__}s") from None
     return parse
+
+
+# What each grid option may hold, checked once at start-up: names from where they are defined, or numbers in range.
+GRID_CHOICES = {"presets": PRESETS, "precisions": PRECISIONS, "attention": ATTENTION_BACKENDS,
+                "attn_precisions": DTYPES, "attn_impls": ATTENTION_IMPLS, "allreduce_backends": BACKENDS,
+                "ddp_preset": PRESETS}
+_POSITIVE = ("positive", lambda x: x > 0 and math.isfinite(x))
+GRID_NUMBERS = {"contexts": _POSITIVE, "compile_contexts": _POSITIVE, "batch_size": _POSITIVE, "rounds": _POSITIVE,
+                "warmup_steps": ("zero or more", lambda x: x >= 0), "attn_seqs": _POSITIVE, "attn_dims": _POSITIVE,
+                "world_sizes": _POSITIVE, "allreduce_sizes_mb": _POSITIVE, "bucket_sizes_mb": _POSITIVE}
+EMPTY_MEANS_NONE = {"compile_contexts"}  # elsewhere an empty list would leave a grid with no points
 
 
 def pytest_addoption(parser):
@@ -72,9 +117,16 @@ def pytest_addoption(parser):
     grid.addoption("--rounds", type=int, default=5, help="timed rounds per benchmark")
     grid.addoption("--memory-snapshot-dir", default=None,
                    help="write CUDA memory snapshots of a forward pass and a training step here")
-    grid.addoption("--benchmark-gate", metavar="EXPR", default=None,
-                   help="fail on regressions (e.g. mean:25%%) against the latest saved run of this machine and GPU "
-                        "kind, if there is one; otherwise just save this run as the first baseline")
+    grid.addoption("--benchmark-gate", metavar="EXPR", type=parse_compare_fail, default=None,
+                   help="fail on regressions (e.g. median:5%%): each point against the newest complete saved run of "
+                        "this machine and GPU kind that holds it (a first run just saves itself), or with "
+                        "--benchmark-gate-against against a revision timed in the same job")
+    grid.addoption("--benchmark-gate-against", metavar="REV", default=None,
+                   help="time git revision REV (checked out in a temporary worktree) and the working tree in turns, "
+                        "and gate the working tree against REV")
+    grid.addoption("--benchmark-gate-turns", metavar="K", type=int, default=3,
+                   help="turns of --benchmark-gate-against, each running the benchmarks once in either tree; "
+                        "default 3")
 
     attn = parser.getgroup("attention benchmarks", "benches/bench_attention.py; defaults fit a laptop CPU")
     attn.addoption("--attn-grid", choices=["tiny", "full"], default="tiny",
@@ -108,48 +160,85 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes minutes; deselect with -m 'not slow'")
     if config.getoption("presets") == ["all"]:
         config.option.presets = list(PRESETS)
-    unknown = set(config.getoption("presets")) - set(PRESETS)
-    if unknown:
-        raise pytest.UsageError(f"unknown presets {sorted(unknown)}; choose from {list(PRESETS)}")
+    _check_grid_options(config)
     _configure_gate(config)
 
 
+def _check_grid_options(config) -> None:
+    """A bad grid option is a usage error at start-up, not a grid that runs nothing or fails every point."""
+    for name in [*GRID_CHOICES, *GRID_NUMBERS]:
+        flag, value = "--" + name.replace("_", "-"), config.getoption(name)
+        if value == [] and name not in EMPTY_MEANS_NONE:
+            raise pytest.UsageError(f"{flag}: no values given")
+        for item in value if isinstance(value, list) else [] if value is None else [value]:
+            if name in GRID_CHOICES and item not in GRID_CHOICES[name]:
+                raise pytest.UsageError(f"{flag}: unknown {item!r}; choose from {', '.join(GRID_CHOICES[name])}")
+            if name in GRID_NUMBERS and not GRID_NUMBERS[name][1](item):
+                raise pytest.UsageError(f"{flag}: {item!r} is not {GRID_NUMBERS[name][0]}")
+
+
 def _configure_gate(config) -> None:
-    """Turn --benchmark-gate into pytest-benchmark's compare flags only where a baseline exists.
+    """Register the plugins that save histories safely (partial runs marked) and, with --benchmark-gate, gate.
 
     Runs before pytest-benchmark reads its options (its pytest_configure is trylast).
     """
-    expr = config.getoption("benchmark_gate")
-    if expr is None:
-        return
-    from pytest_benchmark.utils import get_machine_id, get_tag, parse_compare_fail
-
-    storage = config.getoption("benchmark_storage").removeprefix("file://")
+    check, against = config.getoption("benchmark_gate"), config.getoption("benchmark_gate_against")
+    if against is not None and check is None:
+        raise pytest.UsageError("--benchmark-gate-against needs --benchmark-gate EXPR, e.g. median:5%")
+    if check is not None:
+        if config.getoption("dist", "no") != "no":
+            raise pytest.UsageError("--benchmark-gate needs a run without -n: pytest-benchmark times nothing "
+                                    "under xdist")
+        config.option.benchmark_autosave = get_tag()
+    if against is not None:
+        config.pluginmanager.register(RevisionGate(config, against, config.getoption("benchmark_gate_turns"), check),
+                                      "systems-lab-revision-gate")
     # One Python/OS folder holds the runs of every GPU kind (H100 and H200 alike): compare like with like.
-    gpu = device_info()["gpu"]
-    baselines = [path for path in sorted((config.rootpath / storage / get_machine_id()).glob("*.json"))
-                 if _saved_gpu(path) == gpu]
-    config.option.benchmark_autosave = get_tag()
-    if baselines:
-        config.option.benchmark_compare = baselines[-1].name.split("_")[0]
-        config.option.benchmark_compare_fail = [parse_compare_fail(expr)]
-    else:
-        print(f"benchmark gate: no baseline for {get_machine_id()} on {gpu or 'CPU'} yet; this run becomes it")
-
-
-def _saved_gpu(history: pathlib.Path) -> str | None:
-    """The GPU a saved run was timed on (None for a CPU run)."""
-    return json.loads(history.read_text())["machine_info"].get("systems_lab", {}).get("gpu")
+    history_gate = check if against is None else None
+    gpu = device_info()["gpu"] if history_gate else None
+    config.pluginmanager.register(Histories(history_gate, gpu), "systems-lab-histories")
 
 
 def pytest_collection_modifyitems(config, items):
-    gpus = torch.cuda.device_count()
+    gpus = torch.cuda.device_count()  # the machine's: an xdist worker sees every GPU (worker_gpus)
     for item in items:
         if item.get_closest_marker("gpu") and gpus == 0:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
         marker = item.get_closest_marker("multigpu")
         if marker and gpus < marker.args[0]:
-            item.add_marker(pytest.mark.skip(reason=f"needs {marker.args[0]} GPUs, found {gpus}"))
+            item.add_marker(pytest.mark.skip(reason=f"needs {marker.args[0]} GPUs, this machine has {gpus}"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item):
+    """Under `pytest -n`, multi-GPU tests take turns across the workers, their fixtures' set-up included:
+    each spawns a process group over GPUs that another one's would share. (xdist's loadgroup would send
+    them to one worker, but does not group under pytest 9.2: pytest-xdist issue 1386.)"""
+    if item.get_closest_marker("multigpu") is None or "PYTEST_XDIST_WORKER" not in os.environ:
+        return (yield)
+    import fcntl
+
+    # The workers' temporary folders, popen-gw0, popen-gw1, ..., share the run's folder.
+    with open(pathlib.Path(item.config.option.basetemp).parent / "multigpu.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or the worker dies
+        return (yield)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many multi-GPU tests ran, and why the others could not: a skip here is not a pass."""
+    reports = [report for reports in terminalreporter.stats.values() for report in reports
+               if isinstance(report, pytest.TestReport) and "multigpu" in report.keywords]
+    ran = sum(report.when == "call" and not report.skipped for report in reports)
+    not_run = defaultdict(list)  # reason: node ids
+    for report in reports:
+        if report.skipped:
+            not_run[report.longrepr[2].removeprefix("Skipped: ")].append(report.nodeid)
+    if ran or not_run:
+        terminalreporter.section("multi-GPU tests")
+        terminalreporter.line(f"{ran} ran, {sum(map(len, not_run.values()))} could not run")
+        for reason, nodeids in not_run.items():
+            files = sorted({nodeid.split("::")[0] for nodeid in nodeids})
+            terminalreporter.line(f"  {len(nodeids)} {reason}: {', '.join(files)}")
 
 
 @pytest.fixture(scope="session")
@@ -174,6 +263,20 @@ def exact_fp32_matmuls():
     torch.backends.cuda.matmul.allow_tf32 = False
     yield
     torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+@pytest.fixture
+def inner_pytest(pytester, monkeypatch):
+    """`pytester` for running pytest inside pytest as a user would, also from an xdist worker.
+
+    The inner run inherits the worker's environment, and pytest-benchmark switches itself off wherever it
+    sees PYTEST_XDIST_WORKER: clear xdist's variables so that the inner run benchmarks and saves.
+    """
+    for name in ("PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT", "PYTEST_XDIST_TESTRUNUID"):
+        monkeypatch.delenv(name, raising=False)
+    root = pathlib.Path(__file__).resolve().parent
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    return pytester
 
 
 @pytest.fixture(autouse=True)

@@ -18,6 +18,9 @@ PEAK_TFLOPS = {
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
+# The attention implementations the benchmarks time: the naive one as written, torch.compile'd, in tiled
+# PyTorch (FlashAttentionPytorch), in Triton (FlashAttentionTriton), and PyTorch's SDPA.
+ATTENTION_IMPLS = ("naive", "compiled", "pytorch", "triton", "sdpa")
 
 
 def peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:

@@ -2,7 +2,8 @@
 
     python -m systems.report --out DIR [--run ID] [--compare ID] [--storage .benchmarks] [--machine MACHINE_ID]
 
-Reads one saved run, `.benchmarks/<machine>/NNNN_*.json` (the latest by default), and writes into DIR
+Reads one saved run, `.benchmarks/<machine>/NNNN_*.json` (by default the latest complete one: a run that
+stopped early is saved as `NNNN_*_partial.json` and read only when named), and writes into DIR
 `report.md` with one table per deliverable (each also as `<table>.md`) and PNG plots; with
 --compare, the ratio of every benchmark's time to the other run's, regressions flagged. Benchmarks
 a run does not have are simply absent. A missing or malformed history is a one-line error, exit 2.
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from systems.accounting import BucketedAllReduce, count_parameters, peak_memory
+from systems.history import is_complete
 from systems.model import get_config
 from systems.train import get_precision
 
@@ -114,7 +116,8 @@ class Table:
 
 
 def find_run(storage: Path, machine: str | None, run_id: str | None) -> Path:
-    """The run file `run_id` names (a number, a file-name prefix or a path), else the latest."""
+    """The run file `run_id` names (a number, a file-name prefix or a path, partial runs included), else the
+    latest complete run."""
     if run_id is not None and Path(run_id).is_file():
         return Path(run_id)
     if not storage.is_dir():
@@ -129,7 +132,7 @@ def find_run(storage: Path, machine: str | None, run_id: str | None) -> Path:
         raise ReportError(f"no saved runs for machine {machine!r} under {storage}; have {sorted(machines) or 'none'}")
     runs = machines[machine]
     if run_id is None:
-        return runs[-1]
+        return _latest_complete(runs)
     prefix = f"{int(run_id):04d}_" if run_id.isdigit() else run_id
     matches = [path for path in runs if path.name.startswith(prefix)]
     if len(matches) != 1:
@@ -137,17 +140,37 @@ def find_run(storage: Path, machine: str | None, run_id: str | None) -> Path:
     return matches[0]
 
 
+def _latest_complete(runs: list[Path]) -> Path:
+    """The newest run that went through all its tests (an interrupted one is saved as partial)."""
+    for path in reversed(runs):
+        if is_complete(_read(path)):
+            return path
+    raise ReportError(f"no complete run in {runs[0].parent}, only partial ones ({', '.join(p.name for p in runs)}); "
+                      "name one with --run")
+
+
 def find_runs(storage: Path, machine: str | None, run_ids: str | None) -> list[Path]:
     """The run files of `run_ids`: one run as find_run takes it, or several separated by commas, where
     `16-20` stands for 16, 17, 18, 19, 20. All come from the machine folder of the first."""
     if run_ids is None or ("," not in run_ids and not RUN_RANGE.fullmatch(run_ids)):
         return [find_run(storage, machine, run_ids)]
-    ids = []
-    for item in run_ids.split(","):
-        span = RUN_RANGE.fullmatch(item.strip())
-        ids += [str(n) for n in range(int(span["first"]), int(span["last"]) + 1)] if span else [item.strip()]
+    ids = _run_ids(run_ids)
     first = find_run(storage, machine, ids[0])
     return [first] + [find_run(storage, machine or first.parent.name, run_id) for run_id in ids[1:]]
+
+
+def _run_ids(run_ids: str) -> list[str]:
+    """The run ids a --run value lists: `16-20,23` is 16, 17, 18, 19, 20, 23, in that order."""
+    ids = []
+    for item in (item.strip() for item in run_ids.split(",")):
+        span = RUN_RANGE.fullmatch(item)
+        if not item:
+            raise ReportError(f"empty run id in {run_ids!r}")
+        if span and int(span["first"]) > int(span["last"]):
+            raise ReportError(f"run range {item!r} counts down; write {span['last']}-{span['first']}, or list the "
+                              "runs one by one in the order to merge them")
+        ids += [str(n) for n in range(int(span["first"]), int(span["last"]) + 1)] if span else [item]
+    return ids
 
 
 def merge_runs(runs: list[Run]) -> Run:
@@ -176,9 +199,21 @@ def _saved_at(path: Path) -> str:
     return stamp.group(1) if stamp else ""
 
 
-def load_run(path: Path) -> Run:
+def _read(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ReportError(f"cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise ReportError(f"{path} is not a pytest-benchmark history ({type(exc).__name__}: {exc})") from None
+    if not isinstance(data, dict):
+        raise ReportError(f"{path} is not a pytest-benchmark history (a JSON {type(data).__name__})")
+    return data
+
+
+def load_run(path: Path) -> Run:
+    data = _read(path)
+    try:
         return Run(
             paths=(path,),
             machine=_describe_machine(data.get("machine_info") or {}),
@@ -187,8 +222,6 @@ def load_run(path: Path) -> Run:
             results=[_result(bench) for bench in data["benchmarks"]],
             out_of_memory=[(_module(entry["fullname"]), entry["name"]) for entry in data.get("out_of_memory", [])],
         )
-    except OSError as exc:
-        raise ReportError(f"cannot read {path}: {exc.strerror}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ReportError(f"{path} is not a pytest-benchmark history ({type(exc).__name__}: {exc})") from None
 
@@ -381,12 +414,16 @@ def attention_tables(run: Run) -> list[Table]:
                                                           "vs_sdpa")])
         tables.append(table)
 
-    board = run.select("bench_attention", "test_leaderboard")
+    # The point alone, and after its compiled function first saw another sequence length (symbolic sizes).
+    board = run.select("bench_attention", "test_leaderboard") + run.select(
+        "bench_attention", "test_leaderboard_after_a_second_shape")
     if board:
         table = Table("attention_leaderboard", "Leaderboard: (16, 16384, 64) bf16 causal (ms)",
-                      ["pass", "pytest-benchmark mean", "do_bench median", "SDPA do_bench median", "vs SDPA"])
-        for r in sorted(board, key=lambda r: _order(ATTENTION_PASSES.index(r.get("pass_", "forward")))):
-            table.rows.append([number(r.get("pass_")), ms(r.mean)]
+                      ["pass", "compiled first at seq", "pytest-benchmark mean", "do_bench median",
+                       "SDPA do_bench median", "vs SDPA"])
+        for r in sorted(board, key=lambda r: (ATTENTION_PASSES.index(r.get("pass_", "forward")),
+                                              r.get("first_seq") is not None)):
+            table.rows.append([number(r.get("pass_")), number(r.get("first_seq") or 16384), ms(r.mean)]
                               + [number(r.get(k)) for k in ("do_bench_ms", "sdpa_do_bench_ms", "vs_sdpa")])
         tables.append(table)
     return tables
@@ -398,15 +435,28 @@ def allreduce_tables(run: Run) -> list[Table]:
     oom = run.oom("bench_allreduce", "test_allreduce", ALLREDUCE_ID)
     if not results and not oom:
         return []
-    table = Table("allreduce", "All-reduce of float32 tensors: time per call (mean over ranks of their medians)",
-                  ["backend", "ranks", "MiB", "ms", "spread across ranks (ms)", "algbw (GB/s)", "busbw (GB/s)",
-                   "bare NCCL busbw (GB/s)", "busbw / bare"])
+    table = Table("allreduce", "All-reduce of float32 tensors (times: mean over ranks of their medians)",
+                  ["backend", "ranks", "MiB", "per call, sync each (ms)", "spread across ranks (ms)",
+                   "per call busbw (GB/s)", "back-to-back, nccl-tests (ms)", "spread across ranks (ms)",
+                   "algbw (GB/s)", "busbw (GB/s)", "bare loop busbw (GB/s)", "back-to-back / bare"],
+                  note="Per call: one all-reduce at a time, after a barrier, ended by a synchronize: latency at small "
+                       "sizes. Back-to-back: nccl-tests' time per all-reduce, over calls issued with no host "
+                       "synchronization in between; its algbw and busbw compare with nccl-tests'. The bare loop is "
+                       "one uninterrupted loop of them. Runs saved before the back-to-back figures have per-call "
+                       "ones only.")
     for r in results:
-        table.rows.append([number(r.get(k)) for k in keys] + [ms(r.get("time_s")), ms(r.get("time_spread_s"))]
-                          + [number(r.get(k)) for k in ("algbw_gbps", "busbw_gbps", "bare_busbw_gbps",
-                                                        "busbw_vs_bare")])
-    table.rows += [[number(point[k]) for k in keys] + ["OOM"] + [""] * 5 for point in oom]
+        table.rows.append([number(r.get(k)) for k in keys] + _allreduce_figures(r))
+    table.rows += [[number(point[k]) for k in keys] + ["OOM"] + [""] * 8 for point in oom]
     return [table]
+
+
+def _allreduce_figures(r: Result) -> list[str]:
+    if r.get("loop_time_s") is None:  # saved before the back-to-back figures: its time and busbw are per call
+        return ([ms(r.get("time_s")), ms(r.get("time_spread_s")), number(r.get("busbw_gbps"))] + [""] * 4
+                + [number(r.get("bare_busbw_gbps")), ""])
+    return ([ms(r.get(k)) for k in ("latency_s", "latency_spread_s")] + [number(r.get("latency_busbw_gbps"))]
+            + [ms(r.get(k)) for k in ("loop_time_s", "loop_spread_s")]
+            + [number(r.get(k)) for k in ("algbw_gbps", "busbw_gbps", "bare_busbw_gbps", "loop_vs_bare")])
 
 
 def ddp_tables(run: Run) -> list[Table]:
@@ -462,7 +512,7 @@ def _bucket_model(run: Run, step: Result) -> BucketedAllReduce | None:
         return None
     # time = latency + ring bytes / busbw: a least-squares line through (ring bytes, time).
     ring = 2 * (step.get("world_size") - 1) / step.get("world_size")
-    xs, ys = [ring * r.get("bytes") for r in calls], [r.get("time_s") for r in calls]
+    xs, ys = [ring * r.get("bytes") for r in calls], [r.get("latency_s", r.get("time_s")) for r in calls]
     x_mean, y_mean = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / sum((x - x_mean) ** 2 for x in xs)
     if slope <= 0:
@@ -671,20 +721,26 @@ def write_report(run: Run, out: Path, baseline: Run | None = None) -> Path:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m systems.report", description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, type=Path, help="folder for report.md, the tables and the plots")
-    parser.add_argument("--run", help="run number (3 or 0003), file-name prefix or path; default the latest. "
-                        "Several, e.g. 16-20,23, are merged, the later run winning where they share a point")
+    parser.add_argument("--run", help="run number (3 or 0003), file-name prefix or path; default the latest "
+                        "complete run. Several, e.g. 16-20,23, are merged, the later run winning where they share "
+                        "a point")
     parser.add_argument("--compare", help="a second run (or runs), named as for --run, to compare against")
     parser.add_argument("--storage", default=".benchmarks", help="pytest-benchmark storage (default .benchmarks)")
     parser.add_argument("--machine", help="machine folder in the storage; default the one with the newest run")
     args = parser.parse_args(argv)
     storage = Path(args.storage.removeprefix("file://"))
     try:
+        if args.out.exists() and not args.out.is_dir():
+            raise ReportError(f"--out {args.out} is a file; name a folder")
         run = merge_runs([load_run(path) for path in find_runs(storage, args.machine, args.run)])
         baseline = None
         if args.compare:
             machine = args.machine or run.paths[0].parent.name
             baseline = merge_runs([load_run(path) for path in find_runs(storage, machine, args.compare)])
-        report = write_report(run, args.out, baseline)
+        try:
+            report = write_report(run, args.out, baseline)
+        except OSError as exc:  # a file on the way to --out, no permission, a full disk
+            raise ReportError(f"cannot write into {args.out}: {exc.strerror or exc}") from None
     except ReportError as exc:
         print(f"report: error: {exc}", file=sys.stderr)
         return 2

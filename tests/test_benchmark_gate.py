@@ -1,62 +1,276 @@
-"""The regression gate trips on a 2x slowdown, passes when the same code is compared with itself, and compares
-only runs timed on the same GPU kind."""
+"""Benchmark histories and the regression gate, through real pytest runs of a sleep benchmark.
+
+The gate trips on a 2x slowdown and passes when the same code is compared with itself; it compares each point
+with the newest complete run of the same GPU kind that holds it; a run that stopped early is saved as partial
+and skipped by the gate and the report; runs saving at once get distinct numbers; and
+--benchmark-gate-against times a revision and the working tree in turns.
+"""
 
 import json
 import os
-import pathlib
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 
-pytest_plugins = ["pytester"]
+from systems import report
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]
 
 BENCH = """
-import os, time
+import os
+import signal
+import time
 
-def test_sleep(benchmark):
-    delay = 0.01 * float(os.environ.get("SLOWDOWN", "1"))
-    benchmark.pedantic(time.sleep, args=(delay,), rounds=5, warmup_rounds=1)
+DELAY = {{"first": {first}, "last": {last}}}  # seconds
+
+
+def nap(benchmark, point):
+    factor = float(os.environ.get("SLOWDOWN_" + point, os.environ.get("SLOWDOWN", "1")))
+    benchmark.pedantic(time.sleep, args=(DELAY[point] * factor,), rounds=5, warmup_rounds=1)
+
+
+def test_first(benchmark):
+    nap(benchmark, "first")
+
+
+def test_stop():
+    stop = os.environ.get("STOP")
+    if stop == "interrupt":
+        os.kill(os.getpid(), signal.SIGINT)  # as Ctrl-C does
+    assert stop != "fail"
+
+
+def test_last(benchmark):
+    nap(benchmark, "last")
 """
+# A sleep's overshoot is scheduler latency, far below the delay even on a loaded machine: 50% lies well between
+# the same code (0%) and the 2x slowdown (+100%).
+GATE = "--benchmark-gate=mean:50%"
 
 
 @pytest.fixture
-def gate(pytester, monkeypatch):
-    pytester.makeconftest((ROOT / "conftest.py").read_text())
-    pytester.makepyfile(test_sleep=BENCH)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+def bench(inner_pytest, monkeypatch):
+    """A project with the root conftest and BENCH; `bench(*args, **env)` runs pytest there with env set."""
+    inner_pytest.makeconftest((ROOT / "conftest.py").read_text())
+    inner_pytest.makepyfile(test_sleep=BENCH.format(first=0.01, last=0.01))
 
-    def run(slowdown: float):
-        monkeypatch.setenv("SLOWDOWN", str(slowdown))
-        return pytester.runpytest_subprocess("-p", "no:cacheprovider", "--benchmark-gate=mean:50%")
+    def run(*args, **env):
+        for name in ("SLOWDOWN", "SLOWDOWN_first", "SLOWDOWN_last", "STOP"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, str(value))
+        return inner_pytest.runpytest_subprocess("-p", "no:cacheprovider", *args)
 
     return run
 
 
-def test_first_run_saves_a_baseline_without_comparing(gate, pytester):
-    result = gate(1)
-    result.assert_outcomes(passed=1)
-    assert "no baseline" in result.stdout.str()
-    assert len(list(pytester.path.glob(".benchmarks/*/*.json"))) == 1
+def histories(pytester) -> list[Path]:
+    return sorted(pytester.path.glob(".benchmarks/*/*.json"))
 
 
-def test_gate_passes_on_same_code_and_trips_on_2x_slowdown(gate):
-    gate(1).assert_outcomes(passed=1)
-    same = gate(1)
+def regressed(result) -> list[str]:
+    """The points pytest-benchmark lists under 'Performance has regressed'."""
+    text = result.stdout.str() + result.stderr.str()
+    return re.findall(r"^\s+(test_\w+) .* has failed PercentageRegressionCheck", text, re.MULTILINE)
+
+
+def test_gate_saves_a_first_baseline_passes_on_same_code_and_trips_on_2x_slowdown(bench, inner_pytest):
+    first = bench(GATE)
+    first.assert_outcomes(passed=3)
+    assert "no complete baseline" in first.stdout.str()
+    assert len(histories(inner_pytest)) == 1
+    same = bench(GATE)
     assert same.ret == 0, same.stdout.str()
-    slow = gate(2)
+    slow = bench(GATE, SLOWDOWN=2)
     assert slow.ret != 0
-    assert "failed PercentageRegressionCheck" in slow.stdout.str() + slow.stderr.str()
+    assert sorted(regressed(slow)) == ["test_first", "test_last"]
 
 
-def test_gate_ignores_runs_from_another_gpu_kind(gate, pytester):
-    gate(1).assert_outcomes(passed=1)
-    (history,) = pytester.path.glob(".benchmarks/*/*.json")
+def test_gate_ignores_runs_from_another_gpu_kind(bench, inner_pytest):
+    bench(GATE).assert_outcomes(passed=3)
+    (history,) = histories(inner_pytest)
     saved = json.loads(history.read_text())
     saved["machine_info"]["systems_lab"]["gpu"] = "Another GPU"
     history.write_text(json.dumps(saved))
-    slow = gate(2)  # would trip against the run above, were it comparable
+    slow = bench(GATE, SLOWDOWN=2)  # would trip against the run above, were it comparable
     assert slow.ret == 0, slow.stdout.str()
-    assert "no baseline" in slow.stdout.str()
-    slower = gate(4)  # 2x the run just saved, which became this kind's baseline
+    assert "no complete baseline" in slow.stdout.str()
+    slower = bench(GATE, SLOWDOWN=4)  # 2x the run just saved, which became this kind's baseline
     assert slower.ret != 0
+
+
+def test_gate_compares_each_point_with_the_newest_run_that_holds_it(bench):
+    bench(GATE).assert_outcomes(passed=3)
+    bench(GATE, "-k", "first").assert_outcomes(passed=1)  # the newest run, without test_last
+    slow = bench(GATE, SLOWDOWN_last=2)
+    assert slow.ret != 0
+    assert regressed(slow) == ["test_last"]  # against the first run
+
+
+@pytest.mark.parametrize("stop, args, complete", [
+    ("interrupt", [], False),
+    ("fail", ["-x"], False),
+    ("fail", [], True),  # a failed test is a result: the run still went through all its tests
+], ids=["ctrl-c", "exitfirst", "failed-test"])
+def test_run_that_stops_early_is_saved_as_partial(bench, inner_pytest, stop, args, complete):
+    bench("--benchmark-autosave", *args, STOP=stop)
+    (history,) = histories(inner_pytest)
+    saved = json.loads(history.read_text())
+    assert saved["systems_lab_complete"] is complete
+    assert history.stem.endswith("_partial") is not complete
+    assert [b["name"] for b in saved["benchmarks"]] == ["test_first", "test_last"][:2 if complete else 1]
+
+
+def test_gate_and_report_skip_partial_runs(bench, inner_pytest, tmp_path):
+    bench(GATE).assert_outcomes(passed=3)
+    (complete,) = histories(inner_pytest)
+    # A partial run 4x slower: a 2x slowdown would pass against it.
+    saved = json.loads(complete.read_text())
+    saved["systems_lab_complete"] = False
+    for point in saved["benchmarks"]:
+        point["stats"] = {k: v * 4 if k in ("min", "max", "mean", "median") else v for k, v in point["stats"].items()}
+    partial = complete.with_name(complete.name.replace("0001_", "0002_").replace(".json", "_partial.json"))
+    partial.write_text(json.dumps(saved))
+
+    # The report as a user runs it: in-process, its first import of matplotlib would be undone by pytester's
+    # restore of sys.modules, and later tests would get a second copy of half of it.
+    storage = inner_pytest.path / ".benchmarks"
+    for out, run in (("latest", []), ("named", ["--run", "2"])):
+        subprocess.run([sys.executable, "-m", "systems.report", "--storage", str(storage), "--out",
+                        str(tmp_path / out), *run], check=True, env=os.environ)
+    assert (tmp_path / "latest" / "report.md").read_text().startswith("# Benchmark report: run 0001\n")
+    assert (tmp_path / "named" / "report.md").read_text().startswith("# Benchmark report: run 0002\n")
+
+    slow = bench(GATE, SLOWDOWN=2)
+    assert slow.ret != 0
+    assert sorted(regressed(slow)) == ["test_first", "test_last"]
+
+
+def test_report_without_a_complete_run_is_a_one_line_error(tmp_path, capsys):
+    partial = tmp_path / "storage" / "machine" / "0001_abc_20260101_120000_partial.json"
+    partial.parent.mkdir(parents=True)
+    partial.write_text(json.dumps({"benchmarks": [], "systems_lab_complete": False}))
+    assert report.main(["--storage", str(tmp_path / "storage"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "no complete run" in err and "name one with --run" in err and err.count("\n") == 1
+
+
+SAVER = """
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+from systems.history import LockedFileStorage
+
+storage_path, writer, saves, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
+storage = LockedFileStorage(storage_path, SimpleNamespace(info=lambda message: None), "machine")
+Path(go.parent / f"ready-{writer}").touch()
+while not go.exists():  # start all writers at once
+    time.sleep(0.001)
+for i in range(saves):
+    storage.save({"writer": writer, "save": i, "benchmarks": []}, "tag")
+"""
+
+
+def test_runs_saving_at_once_get_distinct_numbers(tmp_path):
+    writers, saves = 4, 25
+    go = tmp_path / "go"
+    procs = [subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path / "storage"), str(w), str(saves), str(go)],
+                              env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
+             for w in range(writers)]
+    deadline = time.monotonic() + 120
+    while len(list(tmp_path.glob("ready-*"))) < writers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    go.touch()
+    errors = [proc.communicate(timeout=120)[1] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0] * writers, errors
+    saved = sorted((tmp_path / "storage" / "machine").glob("*.json"))
+    assert [int(path.name[:4]) for path in saved] == list(range(1, writers * saves + 1))
+    contents = sorted((d["writer"], d["save"]) for d in (json.loads(path.read_text()) for path in saved))
+    assert contents == sorted((str(w), i) for w in range(writers) for i in range(saves))  # none overwritten
+
+
+def git(cwd: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=gate", "-c", "user.email=gate@example.com", *args],
+                          cwd=cwd, check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def repo(inner_pytest):
+    """The project as a git repository: the root conftest and a benchmark file, committed."""
+    def commit(bench_file: str, text: str):
+        inner_pytest.makeconftest((ROOT / "conftest.py").read_text())
+        (inner_pytest.path / bench_file).write_text(text)
+        git(inner_pytest.path, "init", "-q")
+        git(inner_pytest.path, "add", "conftest.py", bench_file)
+        git(inner_pytest.path, "commit", "-qm", "baseline")
+
+    return commit
+
+
+def gate_rows(result) -> dict[str, str]:
+    """{point: verdict} from the gate's table."""
+    rows = re.findall(r"^test_\w+\.py::(test_\w+) .*  (SLOWER|ok|new, not gated)$", result.stdout.str(), re.MULTILINE)
+    return dict(rows)
+
+
+def test_gate_against_a_revision_trips_on_the_slowed_point_only(repo, inner_pytest):
+    repo("test_sleep.py", BENCH.format(first=0.01, last=0.01))
+    (inner_pytest.path / "test_sleep.py").write_text(BENCH.format(first=0.01, last=0.02))  # not committed
+    result = inner_pytest.runpytest_subprocess("-p", "no:cacheprovider", "test_sleep.py", GATE, "--benchmark-autosave",
+                                               "--benchmark-gate-against=HEAD", "--benchmark-gate-turns", "2")
+    assert result.ret == 1, result.stdout.str()
+    assert gate_rows(result) == {"test_first": "ok", "test_last": "SLOWER"}
+    assert "1 of 2 points slower than HEAD" in result.stdout.str()
+    (history,) = histories(inner_pytest)  # the session's own run, saved as usual
+    assert json.loads(history.read_text())["systems_lab_complete"]
+    assert git(inner_pytest.path, "worktree", "list").count("\n") == 1  # the baseline's worktree is gone
+
+
+def test_gate_against_options_are_checked_at_start_up(repo, inner_pytest):
+    repo("test_sleep.py", BENCH.format(first=0.01, last=0.01))
+    for args, message in [(["--benchmark-gate-against=HEAD"], "needs --benchmark-gate EXPR"),
+                          ([GATE, "--benchmark-gate-against=no-such-rev"], "no-such-rev"),
+                          ([GATE, "--benchmark-gate-against=HEAD", "--benchmark-gate-turns=0"], "at least 1"),
+                          (["--benchmark-gate=mean:fast"], "Could not parse value")]:
+        result = inner_pytest.runpytest_inprocess("-p", "no:cacheprovider", *args)
+        assert result.ret == pytest.ExitCode.USAGE_ERROR, args
+        assert message in result.stderr.str(), (args, result.stderr.str())
+
+
+GPU_BENCH = """
+import torch
+
+ITERATIONS = {iterations}  # the slowed working tree runs 11 instead of 10: a 10% slowdown
+
+
+def test_matmuls(benchmark):
+    a, b, c = (torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+
+    def run():
+        for _ in range(ITERATIONS):
+            torch.matmul(a, b, out=c)
+        torch.cuda.synchronize()
+
+    benchmark.pedantic(run, rounds=30, warmup_rounds=10)
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gate_against_trips_on_a_10_percent_gpu_slowdown_and_holds_on_unchanged_code(repo, inner_pytest):
+    """The issue's demonstration: 5 of 5 gates green on unchanged code, and red on a 10% slowdown."""
+    repo("test_matmuls.py", GPU_BENCH.format(iterations=10))
+    args = ("-p", "no:cacheprovider", "test_matmuls.py", "--benchmark-gate=median:5%",
+            "--benchmark-gate-against=HEAD", "--benchmark-gate-turns=3")
+    results = [inner_pytest.runpytest_subprocess(*args) for _ in range(5)]
+    (inner_pytest.path / "test_matmuls.py").write_text(GPU_BENCH.format(iterations=11))
+    results.append(inner_pytest.runpytest_subprocess(*args))
+    for name, result in zip(["unchanged"] * 5 + ["slowed 10%"], results):
+        print(name, *[line for line in result.outlines if "test_matmuls.py::" in line])
+    assert [result.ret for result in results] == [0] * 5 + [1]

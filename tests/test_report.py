@@ -1,7 +1,6 @@
 """The report: tables and plots from benchmark histories, a comparison of two runs, and bad histories."""
 
 import json
-import os
 import pathlib
 import subprocess
 import sys
@@ -12,8 +11,6 @@ import pytest
 from systems.accounting import BucketedAllReduce, count_parameters, peak_memory
 from systems.model import get_config
 from systems.report import main
-
-pytest_plugins = ["pytester"]
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MACHINE = "Linux-CPython-3.12-64bit"
@@ -73,6 +70,9 @@ def attention_benchmarks() -> list[dict]:
                              is_causal=True, **{"pass": "forward"}, tflops=10.0 * speed, **kernels))
     out.append(bench("benches/bench_attention.py::test_leaderboard[forward]", 0.002, params={"pass_": "forward"},
                      do_bench_ms=1.9, sdpa_do_bench_ms=1.5, vs_sdpa=1.9 / 1.5))
+    out.append(bench("benches/bench_attention.py::test_leaderboard_after_a_second_shape[forward]", 0.003,
+                     params={"pass_": "forward"}, first_seq=1024, do_bench_ms=2.9, sdpa_do_bench_ms=1.45,
+                     vs_sdpa=2.9 / 1.45))
     return out
 
 
@@ -83,8 +83,9 @@ OOM = ("benches/bench_attention.py::test_handout_sweep[naive-seq16384-d16-fp32-f
 
 def distributed_benchmarks() -> list[dict]:
     out = [bench(f"benches/bench_allreduce.py::test_allreduce[nccl-2ranks-{mb}MiB]", 1.0, backend="nccl",
-                 world_size=2, size_mb=float(mb), bytes=mb * 2**20, time_s=1e-5 + mb * 2**20 / 100e9,
-                 algbw_gbps=50.0, busbw_gbps=50.0 * mb / (mb + 1)) for mb in (1, 10, 100)]
+                 world_size=2, size_mb=float(mb), bytes=mb * 2**20, latency_s=1e-5 + mb * 2**20 / 100e9,
+                 latency_busbw_gbps=100.0 * mb / (mb + 1), loop_time_s=mb * 2**20 / 200e9, algbw_gbps=200.0,
+                 busbw_gbps=200.0, bare_busbw_gbps=210.0, loop_vs_bare=200 / 210) for mb in (1, 10, 100)]
     steps = [("single", None, 1, 0.100, 0.0), ("torch", 25.0, 2, 0.110, 0.0), ("naive", None, 2, 0.150, 0.040),
              ("bucketed", 1.0, 2, 0.120, 0.012), ("bucketed", 10.0, 2, 0.115, 0.008)]
     for variant, bucket, ranks, step, wait in steps:
@@ -141,10 +142,11 @@ def test_every_deliverable_gets_its_table_and_plots(tmp_path):
     assert "| bf16 | 128 | 1024 | forward | OOM |" in flash
     assert table_rows(out / "attention_forward_kernels.md") == [["bf16", "64", "256", "0.0512", "0.064", "0.8"],
                                                                ["bf16", "64", "1024", "0.2048", "0.256", "0.8"]]
-    assert ["forward", "2", "1.9", "1.5", "1.267"] in table_rows(out / "attention_leaderboard.md")
+    assert table_rows(out / "attention_leaderboard.md") == [["forward", "16384", "2", "1.9", "1.5", "1.267"],
+                                                          ["forward", "1024", "3", "2.9", "1.45", "2"]]
 
-    assert ["nccl", "2", "100", f"{(1e-5 + 100 * 2**20 / 100e9) * 1e3:.4g}", "50", f"{50 * 100 / 101:.4g}"] \
-        in table_rows(out / "allreduce.md")
+    assert ["nccl", "2", "100", f"{(1e-5 + 100 * 2**20 / 100e9) * 1e3:.4g}", f"{100 * 100 / 101:.4g}",
+            f"{100 * 2**20 / 200e9 * 1e3:.4g}", "200", "200", "210", "0.9524"] in table_rows(out / "allreduce.md")
     ddp = table_rows(out / "ddp.md")
     assert [row[3] for row in ddp] == ["single", "torch", "naive", "bucketed", "bucketed", "bucketed"]
     assert ddp[-1][:6] == ["fp32", "128", "2", "bucketed", "100", "OOM"]
@@ -172,6 +174,19 @@ def test_bucket_sweep_shows_the_bucket_model(tmp_path):
     buckets = -(-model.param_bytes // 2**20)
     assert rows[0][7] == f"{model.overhead(int(buckets)) * 1e3:.4g}"
     assert float(rows[0][8]) == pytest.approx(model.optimal_bucket_bytes() / 2**20, rel=1e-3)
+
+
+def test_runs_saved_before_the_back_to_back_figures_show_their_figures_as_per_call(tmp_path):
+    """Their time_s and busbw_gbps were timed one call at a time: not nccl-tests' figures."""
+    save_run(tmp_path / "storage", 1, [bench("benches/bench_allreduce.py::test_allreduce[nccl-2ranks-1MiB]", 1.0,
+                                             backend="nccl", world_size=2, size_mb=1.0, bytes=2**20, time_s=4e-5,
+                                             time_spread_s=1e-6, algbw_gbps=26.0, busbw_gbps=26.0,
+                                             bare_busbw_gbps=34.0, busbw_vs_bare=26 / 34)])
+    code, out = report(tmp_path)
+    assert code == 0
+    assert ("| backend | ranks | MiB | per call, sync each (ms) | spread across ranks (ms) | per call busbw (GB/s) "
+            "| bare loop busbw (GB/s) |") in (out / "allreduce.md").read_text()
+    assert table_rows(out / "allreduce.md") == [["nccl", "2", "1", "0.04", "0.001", "26", "34"]]
 
 
 def test_absent_benchmarks_are_absent_from_the_report(tmp_path):
@@ -255,8 +270,10 @@ def test_runs_saved_in_chunks_merge_and_later_runs_win(tmp_path):
     ('{"benchmarks": []}', ("--run", "7"), "run '7' matches 0 files"),
     ('{"benchmarks": []}', ("--machine", "elsewhere"), "no saved runs for machine 'elsewhere'"),
     ('{"benchmarks": []}', ("--run", "1-2"), "run '2' matches 0 files"),
+    ('{"benchmarks": []}', ("--run", "5-3"), "run range '5-3' counts down; write 3-5"),
+    ('{"benchmarks": []}', ("--run", "1,,2"), "empty run id in '1,,2'"),
 ], ids=["no-storage", "not-json", "no-benchmarks", "no-stats", "bad-oom", "unknown-run", "unknown-machine",
-        "run-range-past-the-end"])
+        "run-range-past-the-end", "run-range-counting-down", "empty-run-id"])
 def test_bad_history_is_a_one_line_error(tmp_path, capsys, history, args, message):
     if history is not None:
         path = tmp_path / "storage" / MACHINE / "0001_abc_20260101_120000.json"
@@ -268,13 +285,30 @@ def test_bad_history_is_a_one_line_error(tmp_path, capsys, history, args, messag
     assert err.startswith("report: error: ") and message in err and err.count("\n") == 1
 
 
-def test_command_line_error_has_no_traceback(tmp_path):
+@pytest.mark.parametrize("out, message", [("report", "is a file; name a folder"),
+                                          ("report/tables", "cannot write into")], ids=["a-file", "under-a-file"])
+def test_an_out_folder_that_cannot_be_written_is_a_one_line_error(tmp_path, capsys, out, message):
+    save_run(tmp_path / "storage", 1, distributed_benchmarks()[:3])
+    (tmp_path / "report").write_text("not a folder")
+    code = main(["--storage", str(tmp_path / "storage"), "--out", str(tmp_path / out)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("report: error: ") and message in err and err.count("\n") == 1
+    assert (tmp_path / "report").read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("args", [("--run", "{bad}"), ("--run", "5-3"), ("--out", "{bad}")],
+                         ids=["bad-history", "run-range-counting-down", "out-is-a-file"])
+def test_command_line_error_has_no_traceback(tmp_path, args):
+    save_run(tmp_path / "storage", 5, distributed_benchmarks()[:3])
     bad = tmp_path / "0001_abc_20260101_120000.json"
     bad.write_text('{"benchmarks": [{"fullname": 1}]}')
-    proc = subprocess.run([sys.executable, "-m", "systems.report", "--run", str(bad), "--out", str(tmp_path / "o")],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    command = ["--storage", str(tmp_path / "storage"), "--out", str(tmp_path / "o")]
+    command += [arg.format(bad=bad) for arg in args]
+    proc = subprocess.run([sys.executable, "-m", "systems.report", *command], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
     assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("report: error: ") and proc.stderr.count("\n") == 1
 
 
 BENCH = """
@@ -294,16 +328,15 @@ def test_model(benchmark, skip_on_oom, context, phase):
 """
 
 
-def test_report_of_a_real_benchmark_run(pytester, monkeypatch, tmp_path):
+def test_report_of_a_real_benchmark_run(inner_pytest, tmp_path):
     """pytest-benchmark and the root conftest write the history; the report reads it, OOM point included."""
-    pytester.makeconftest((ROOT / "conftest.py").read_text())
-    pytester.mkdir("benches")
-    (pytester.path / "benches" / "bench_model.py").write_text(BENCH)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    ran = pytester.runpytest_subprocess("benches/bench_model.py", "-p", "no:cacheprovider", "-o",
-                                        "python_files=bench_*.py", "--benchmark-autosave")
+    inner_pytest.makeconftest((ROOT / "conftest.py").read_text())
+    inner_pytest.mkdir("benches")
+    (inner_pytest.path / "benches" / "bench_model.py").write_text(BENCH)
+    ran = inner_pytest.runpytest_subprocess("benches/bench_model.py", "-p", "no:cacheprovider", "-o",
+                                            "python_files=bench_*.py", "--benchmark-autosave")
     ran.assert_outcomes(passed=5, skipped=1)
-    assert main(["--storage", str(pytester.path / ".benchmarks"), "--out", str(tmp_path)]) == 0
+    assert main(["--storage", str(inner_pytest.path / ".benchmarks"), "--out", str(tmp_path)]) == 0
     rows = table_rows(tmp_path / "model.md")
     assert [row[:4] for row in rows] == [["tiny", str(c), "fp32", "eager"] for c in (64, 128, 256)]
     assert rows[-1][-1] == "OOM" and all(cell.count("±") == 1 for row in rows for cell in row[4:] if cell != "OOM")

@@ -1,0 +1,220 @@
+"""`--benchmark-gate-against REV`: time a baseline revision and the working tree in the same job, in turns.
+
+Saved histories drift from one day to the next (clocks, temperature, drivers), so a gate against them needs a
+wide margin. This gate checks REV out in a temporary git worktree and runs the session's selection of
+benchmarks in both trees, alternately, `turns` times, each run a fresh `pytest` process. The working tree's
+last turn is the session that asked for the gate: it prints and saves its results as any run does, and fails
+if a point is slower than REV's by more than the --benchmark-gate threshold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from pytest_benchmark.utils import PercentageRegressionCheck, RegressionCheck
+
+BASELINE, WORK = "baseline", "working tree"
+# Options of the session that its turns must not repeat: the gate's own, and saving (only the session saves).
+_OPTIONS_WITH_VALUE = ("--benchmark-gate", "--benchmark-gate-against", "--benchmark-gate-turns",
+                       "--benchmark-save", "--benchmark-json")
+_FLAGS = ("--benchmark-autosave",)
+_RUN_OK = (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.NO_TESTS_COLLECTED)
+
+
+@dataclass(frozen=True)
+class Point:
+    name: str  # pytest's node id
+    baseline: float | None  # seconds: the check's statistic of the rounds, median over turns; None if absent
+    work: float | None
+    changes: tuple[float, ...]  # per turn, the working tree against the baseline as the check measures it
+    change: float | None  # their median
+    slower: bool
+
+
+def turn_orders(turns: int) -> list[tuple[str, str]]:
+    """Which tree runs first in each turn. Alternating (ABBA...) so that a trend through the job (a GPU warming
+    up, a neighbour's job starting) favours neither tree; the last turn ends with the working tree, which is the
+    session's own run."""
+    return [(BASELINE, WORK) if (turns - 1 - turn) % 2 == 0 else (WORK, BASELINE) for turn in range(turns)]
+
+
+def compare(baseline_turns: list[dict[str, float]], work_turns: list[dict[str, float]],
+            check: RegressionCheck) -> list[Point]:
+    """Each point's verdict from its timings per turn ({node id: seconds}, turn by turn, both trees).
+
+    The statistics: within a turn the two trees run back to back, so a turn's paired change (the working tree
+    against the baseline, as the check measures it: percent or seconds) carries little of the drift between
+    turns. The median over turns then ignores a turn that a disturbance hit (a background job, a clock step),
+    where a mean would take it in. On unchanged code the paired changes scatter around zero by the run-to-run
+    noise of one point's statistic; a real slowdown shifts every turn's change by its size. So a threshold
+    halfway to the slowdown to catch (5% for 10%) holds both ways when that noise is a few times smaller than
+    the margin, and more turns narrow the median's scatter. tests/test_benchmark_gate.py measures both ways on
+    a GPU.
+    """
+    points = []
+    for name in sorted(set().union(*baseline_turns, *work_turns)):
+        pairs = [(base[name], work[name]) for base, work in zip(baseline_turns, work_turns)
+                 if name in base and name in work]
+        if not pairs:
+            base = [turn[name] for turn in baseline_turns if name in turn]
+            work = [turn[name] for turn in work_turns if name in turn]
+            points.append(Point(name, _median(base), _median(work), (), None, False))
+            continue
+        field = check.field
+        changes = tuple(check.compute({field: work}, {field: base}) for base, work in pairs)
+        change = statistics.median(changes)
+        points.append(Point(name, statistics.median(b for b, _ in pairs), statistics.median(w for _, w in pairs),
+                            changes, change, change > check.threshold))
+    return points
+
+
+def _median(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def describe(check: RegressionCheck) -> str:
+    """The check as --benchmark-gate spells it: median:5% or mean:0.001."""
+    unit = "%" if isinstance(check, PercentageRegressionCheck) else ""
+    return f"{check.field}:{check.threshold}{unit}"
+
+
+def report_lines(points: list[Point], against: str, turns: int, check: RegressionCheck) -> list[str]:
+    width = max([len(p.name) for p in points] + [5])
+    lines = [f"benchmark gate: the working tree against {against}, turns: {turns}; fails above {describe(check)} "
+             f"(the {check.field} of each run's rounds; times and change are medians over turns)",
+             f"{'point':<{width}}  {'baseline (ms)':>13}  {'working tree (ms)':>17}  {'change':>9}  "
+             f"{'per turn':>{9 * turns}}"]
+    for p in points:
+        per_turn = " ".join(_change(c, check) for c in p.changes)
+        lines.append(f"{p.name:<{width}}  {_ms(p.baseline):>13}  {_ms(p.work):>17}  {_change(p.change, check):>9}  "
+                     f"{per_turn:>{9 * turns}}  {_verdict(p)}")
+    slower = [p.name for p in points if p.slower]
+    if slower:
+        lines.append(f"benchmark gate: {len(slower)} of {len(points)} points slower than {against} by more than "
+                     f"{describe(check)}: {', '.join(slower)}")
+    return lines
+
+
+def _change(change: float | None, check: RegressionCheck) -> str:
+    if change is None:
+        return ""
+    return f"{change:+.1f}%" if isinstance(check, PercentageRegressionCheck) else f"{change * 1e3:+.3g}ms"
+
+
+def _verdict(point: Point) -> str:
+    if point.change is not None:
+        return "SLOWER" if point.slower else "ok"
+    return "new, not gated" if point.baseline is None else "not in the working tree"
+
+
+def _ms(seconds: float | None) -> str:
+    return "" if seconds is None else f"{seconds * 1e3:.4g}"
+
+
+def turn_args(args: list[str]) -> list[str]:
+    """The session's arguments without the options that only the session itself acts on."""
+    kept, skip_value = [], False
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        if skip_value:
+            skip_value = False
+        elif name in _OPTIONS_WITH_VALUE:
+            skip_value = "=" not in arg
+        elif name not in _FLAGS:
+            kept.append(arg)
+    return kept
+
+
+def _git(cwd: Path, *args: str) -> str:
+    proc = subprocess.run(["git", "-C", str(cwd), *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise pytest.UsageError(f"--benchmark-gate-against: git {' '.join(args)} failed: "
+                                f"{(proc.stderr or proc.stdout).strip()}")
+    return proc.stdout.strip()
+
+
+@contextmanager
+def _worktree(root: Path, commit: str, path: Path) -> Iterator[Path]:
+    _git(root, "worktree", "add", "--detach", str(path), commit)
+    try:
+        yield path
+    finally:
+        subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(path)], capture_output=True)
+
+
+class RevisionGate:
+    """The pytest plugin of --benchmark-gate-against: the other turns before the session, verdicts after it."""
+
+    def __init__(self, config, rev: str, turns: int, check: RegressionCheck):
+        if turns < 1:
+            raise pytest.UsageError(f"--benchmark-gate-turns {turns}: needs at least 1")
+        if config.getoption("benchmark_compare") or config.getoption("benchmark_compare_fail"):
+            raise pytest.UsageError("--benchmark-gate-against makes its own comparison: drop --benchmark-compare "
+                                    "and --benchmark-compare-fail")
+        self.cwd = Path(config.invocation_params.dir).resolve()
+        self.root = Path(_git(self.cwd, "rev-parse", "--show-toplevel")).resolve()
+        self.commit = _git(self.root, "rev-parse", "--verify", f"{rev}^{{commit}}")
+        self.against = f"{rev} ({self.commit[:10]})"
+        self.args = turn_args(list(config.invocation_params.args))
+        self.turns = turns
+        self.check = check
+        self.timings: dict[str, list[dict[str, float]]] = {BASELINE: [], WORK: []}  # per turn
+        self.points: list[Point] = []
+
+    def pytest_sessionstart(self) -> None:
+        with tempfile.TemporaryDirectory(prefix="benchmark-gate-") as scratch:
+            with _worktree(self.root, self.commit, Path(scratch) / "baseline") as baseline:
+                for turn, order in enumerate(turn_orders(self.turns)):
+                    for side in order:
+                        if (turn, side) == (self.turns - 1, WORK):
+                            continue  # the session's own run
+                        tree = baseline if side == BASELINE else self.root
+                        what = f"turn {turn + 1} of {self.turns}, {side}"
+                        self.timings[side].append(self._run(tree, Path(scratch) / f"{turn}-{side}.json", what))
+        print(f"benchmark gate: turn {self.turns} of {self.turns}, {WORK}: this session")
+
+    def _run(self, tree: Path, out: Path, what: str) -> dict[str, float]:
+        """One run of the selected benchmarks in `tree`: {node id: the check's statistic, seconds}."""
+        root = str(self.root) + os.sep
+        args = [str(tree) + os.sep + arg.removeprefix(root) if arg.startswith(root) else arg for arg in self.args]
+        env = {**os.environ,
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])),
+               "PYTEST_ADDOPTS": shlex.join(turn_args(shlex.split(os.environ.get("PYTEST_ADDOPTS", ""))))}
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "pytest", *args, f"--benchmark-json={out}"],
+                              cwd=tree / self.cwd.relative_to(self.root), env=env, capture_output=True, text=True)
+        print(f"benchmark gate: {what}: exit {proc.returncode} after {time.perf_counter() - start:.1f} s")
+        if proc.returncode not in _RUN_OK:
+            pytest.exit(f"benchmark gate: the run of {what} exited with {proc.returncode}:\n"
+                        f"{(proc.stdout + proc.stderr)[-4000:]}", returncode=pytest.ExitCode.INTERNAL_ERROR)
+        if not out.exists():  # no benchmark ran
+            return {}
+        return {bench["fullname"]: bench["stats"][self.check.field]
+                for bench in json.loads(out.read_text())["benchmarks"]}
+
+    def pytest_sessionfinish(self, session) -> None:
+        # A plain hook: it runs after pytest-benchmark's wrapper has finished the session's benchmarks.
+        benchmarks = session.config._benchmarksession.benchmarks
+        self.timings[WORK].append({bench.fullname: bench[self.check.field] for bench in benchmarks if bench})
+        self.points = compare(self.timings[BASELINE], self.timings[WORK], self.check)
+        if any(point.slower for point in self.points) and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.points:
+            return
+        terminalreporter.section("benchmark gate")
+        for line in report_lines(self.points, self.against, self.turns, self.check):
+            terminalreporter.write_line(line, red=line.endswith("SLOWER") or "points slower" in line)
