@@ -61,12 +61,12 @@ if not torch.cuda.is_available():
     # Triton kernels run on the CPU through the interpreter; read when kernels are first defined.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from systems.benchmarking import ATTENTION_IMPLS, DTYPES, device_info  # noqa: E402
+from systems.benchmarking import ATTENTION_IMPLS, device_info  # noqa: E402
 from systems.distributed import BACKENDS  # noqa: E402
 from systems.gate import RevisionGate  # noqa: E402
 from systems.history import Histories  # noqa: E402
 from systems.model import ATTENTION_BACKENDS, PRESETS  # noqa: E402
-from systems.train import PRECISIONS  # noqa: E402
+from systems.precision import DTYPES, PRECISIONS  # noqa: E402
 
 pytest_plugins = ["pytester"]
 

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from systems.attention import FlashAttentionPytorch, attention_reference
-from systems.benchmarking import DTYPES, record_throughput, synchronize, time_on_device
+from systems.benchmarking import record_throughput, synchronize, time_on_device
+from systems.precision import PRECISIONS, Precision, get_precision
 
 PASSES = ("forward", "backward", "forward_backward")
 PASS_FLOPS = {"forward": 1.0, "backward": 2.5, "forward_backward": 3.5}  # in units of one forward pass
@@ -40,11 +41,11 @@ class AttentionPoint:
     batch: int
     seq: int
     d: int
-    precision: str
+    precision: Precision  # one of systems.precision.DTYPES
     is_causal: bool
 
     def __str__(self) -> str:
-        return f"{self.impl}-seq{self.seq}-d{self.d}-{self.precision}"
+        return f"{self.impl}-seq{self.seq}-d{self.d}-{self.precision.name}"
 
 
 def attention_grid(config, sweep: str) -> list[AttentionPoint]:
@@ -60,7 +61,7 @@ def attention_grid(config, sweep: str) -> list[AttentionPoint]:
     # The implementations of one shape run back to back, so the GPU's clocks and temperature are alike
     # for the points that get compared.
     return [AttentionPoint(sweep, impl, batch, seq, d, precision, is_causal)
-            for precision in precisions for d in dims for seq in seqs for impl in impls]
+            for precision in map(get_precision, precisions) for d in dims for seq in seqs for impl in impls]
 
 
 def pytest_generate_tests(metafunc):
@@ -133,11 +134,11 @@ def time_attention_pass(benchmark, request, device, attend, inputs, is_causal: b
 
 def run_point(benchmark, request, device, point: AttentionPoint, pass_: str) -> None:
     attend = attention_impl(point.impl, device)
-    benchmark.group = f"{point.sweep} {pass_} d={point.d} {point.precision}"
-    benchmark.extra_info.update(vars(point))
+    benchmark.group = f"{point.sweep} {pass_} d={point.d} {point.precision.name}"
+    benchmark.extra_info.update(vars(point), precision=point.precision.name)
     benchmark.extra_info["pass"] = pass_
     shape = (point.batch, 1, point.seq, point.d)  # one head
-    inputs = [torch.randn(shape, device=device, dtype=DTYPES[point.precision], requires_grad=True)
+    inputs = [torch.randn(shape, device=device, dtype=point.precision.compute, requires_grad=True)
               for _ in range(3)]
     seconds = time_attention_pass(benchmark, request, device, attend, inputs, point.is_causal, pass_)
     if seconds is None:  # --benchmark-disable: the pass ran once, untimed
@@ -146,7 +147,7 @@ def run_point(benchmark, request, device, point: AttentionPoint, pass_: str) -> 
     benchmark.extra_info["ms"] = seconds * 1e3
     if pass_ == "forward" and point.impl in ("triton", "sdpa") and device.type == "cuda":
         record_device_ms(benchmark, attend, inputs, point)
-    record_throughput(benchmark, seconds=seconds, flops=flops, device=device, dtype=DTYPES[point.precision])
+    record_throughput(benchmark, seconds=seconds, flops=flops, device=device, precision=point.precision)
 
 
 def record_device_ms(benchmark, attend, inputs, point: AttentionPoint) -> None:
@@ -223,7 +224,7 @@ def run_leaderboard(benchmark, request, device, skip_on_oom, pass_, first_seq: i
         if seconds is None:  # --benchmark-disable
             return
         flops = PASS_FLOPS[pass_] * attention_flops(batch, 1, seq, seq, d, True)
-        record_throughput(benchmark, seconds=seconds, flops=flops, device=device, dtype=torch.bfloat16)
+        record_throughput(benchmark, seconds=seconds, flops=flops, device=device, precision=PRECISIONS["bf16"])
         # SDPA beside it, both timed alike with CUDA events (median of do_bench, L2 flushed between calls).
         heads = [t.unsqueeze(1) for t in inputs]  # SDPA's fused kernels want (batch, heads, seq, d)
         ms = {name: _do_bench_pass(do_bench, attend, args, inputs, pass_)

@@ -35,7 +35,7 @@ from systems.accounting import flops
 from systems.benchmarking import record_throughput, record_timings
 from systems.ddp_train import OPTIMIZERS, PHASES, TrainSpec, train
 from systems.model import get_config
-from systems.train import get_precision
+from systems.precision import Precision, get_precision
 
 TORCH_DDP_BUCKET_MB = 25.0  # torch's default bucket_cap_mb
 SHARDED_BUCKET_MB = 25.0  # the sharded-optimizer points all train with DDPBucketed at this size
@@ -47,20 +47,20 @@ _step_seconds: dict[tuple, float] = {}  # (variant, precision, context, world si
 class StepPoint:
     variant: str
     bucket_size_mb: float | None
-    precision: str
+    precision: Precision
     context: int
     world_size: int
 
     def __str__(self) -> str:
         bucket = f"-{self.bucket_size_mb:g}MiB" if self.variant == "bucketed" else ""
-        return f"{self.variant}{bucket}-{self.precision}-ctx{self.context}-{self.world_size}ranks"
+        return f"{self.variant}{bucket}-{self.precision.name}-ctx{self.context}-{self.world_size}ranks"
 
 
 def step_grid(config) -> list[StepPoint]:
     """Per precision and context: one process first, then torch DDP, then the variants and the sweep."""
     opt = config.getoption
     points = []
-    for precision in opt("precisions"):
+    for precision in map(get_precision, opt("precisions")):
         for context in opt("contexts"):
             points.append(StepPoint("single", None, precision, context, 1))
             for world_size in (n for n in opt("world_sizes") if n > 1):
@@ -105,14 +105,14 @@ def record_memory(benchmark, ranks: list[dict]) -> None:
 
 
 def test_ddp_step(benchmark, point, rank_pools, request, device, skip_on_oom):
-    benchmark.group = f"ddp-step-{point.precision}-ctx{point.context}"
+    benchmark.group = f"ddp-step-{point.precision.name}-ctx{point.context}"
     spec = spec_for(request, variant=point.variant, bucket_size_mb=point.bucket_size_mb,
-                    precision=point.precision, context=point.context)
+                    precision=point.precision.name, context=point.context)
     with skip_on_oom:
         ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec)
     info = benchmark.extra_info
     info.update(preset=spec.preset, variant=point.variant, bucket_size_mb=point.bucket_size_mb,
-                precision=point.precision, context=point.context, batch_size_per_rank=spec.batch_size,
+                precision=point.precision.name, context=point.context, batch_size_per_rank=spec.batch_size,
                 world_size=point.world_size, backend=BACKEND)
     for phase in PHASES + ("step",):
         info[f"{phase}_s"] = mean_of_medians(ranks, phase)
@@ -122,7 +122,7 @@ def test_ddp_step(benchmark, point, rank_pools, request, device, skip_on_oom):
                 tokens_per_s=point.world_size * spec.batch_size * spec.context / step)
     step_flops = flops(get_config(spec.preset, context_length=spec.context), spec.batch_size, spec.context).step
     record_throughput(benchmark, seconds=step, flops=step_flops, device=device,
-                      dtype=get_precision(point.precision).compute)
+                      precision=point.precision)
     record_memory(benchmark, ranks)
     _step_seconds[point.variant, point.precision, point.context, point.world_size] = step
     for key, baseline in (("vs_single", ("single", 1)), ("vs_torch_ddp", ("torch", point.world_size))):

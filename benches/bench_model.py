@@ -19,7 +19,8 @@ from systems.accounting import flops
 from systems.benchmarking import record_throughput, time_on_device
 from systems.model import TransformerLM, get_config
 from systems.optim import AdamW
-from systems.train import backward, forward_loss, get_precision, make_model, random_batch, train_step
+from systems.precision import Precision, get_precision
+from systems.train import backward, forward_loss, make_model, random_batch, train_step
 
 PHASES = ("forward", "backward", "forward_backward", "step")
 WARMUP_STUDY = (0, 1, 2, 5)
@@ -29,11 +30,11 @@ WARMUP_STUDY = (0, 1, 2, 5)
 class ModelPoint:
     preset: str
     context: int
-    precision: str
+    precision: Precision
     compile: str  # "eager", or a COMPILE_MODES key
 
     def __str__(self) -> str:
-        return f"{self.preset}-ctx{self.context}-{self.precision}-{self.compile}"
+        return f"{self.preset}-ctx{self.context}-{self.precision.name}-{self.compile}"
 
 
 def model_grid(config) -> list[ModelPoint]:
@@ -42,7 +43,7 @@ def model_grid(config) -> list[ModelPoint]:
     points = []
     for preset in opt("presets"):
         for compile, contexts in (("eager", opt("contexts")), (opt("compile_mode"), opt("compile_contexts"))):
-            for precision in opt("precisions"):
+            for precision in map(get_precision, opt("precisions")):
                 points += [ModelPoint(preset, context, precision, compile) for context in contexts]
     return points
 
@@ -62,7 +63,7 @@ class ModelCache:
         self.key, self.model = None, None
 
     def get(self, point: ModelPoint) -> TransformerLM:
-        key = (point.preset, point.compile, get_precision(point.precision).weights)
+        key = (point.preset, point.compile, point.precision.weights)
         if key != self.key:
             self.key, self.model = None, None
             gc.collect()
@@ -135,7 +136,7 @@ def run_phase(benchmark, model, phase, point, device, request) -> None:
     seconds = time_on_device(benchmark, fn, setup=setup, **timing)
     model.zero_grad(set_to_none=True)
     benchmark.extra_info.update(
-        preset=point.preset, context=point.context, precision=point.precision, compile=point.compile,
+        preset=point.preset, context=point.context, precision=point.precision.name, compile=point.compile,
         phase=phase, batch_size=batch_size, attention=model.config.attention, parameters=model.num_parameters(),
     )
     if seconds is not None:
@@ -143,7 +144,7 @@ def run_phase(benchmark, model, phase, point, device, request) -> None:
         counts = flops(model.config, batch_size, point.context)
         phase_flops = {"forward": counts.forward, "backward": counts.backward}.get(phase, counts.step)
         record_throughput(benchmark, seconds=seconds, flops=phase_flops, device=device,
-                          dtype=get_precision(point.precision).compute)
+                          precision=point.precision)
 
 
 def test_warmup_study(benchmark, warmup, device, request, skip_on_oom):
@@ -152,14 +153,14 @@ def test_warmup_study(benchmark, warmup, device, request, skip_on_oom):
     This runs first in the module, so warm-up 0 also pays for the process's first CUDA calls.
     """
     opt = request.config.getoption
-    point = ModelPoint(opt("presets")[0], opt("contexts")[0], opt("precisions")[0], "eager")
+    point = ModelPoint(opt("presets")[0], opt("contexts")[0], get_precision(opt("precisions")[0]), "eager")
     benchmark.group = "warmup-study"
     with skip_on_oom:
         model = build_model(point, device, opt("attention"), point.context)
         tokens, targets = random_batch(model.config, opt("batch_size"), point.context, device)
         time_on_device(benchmark, lambda: backward(forward_loss(model, tokens, targets, point.precision)),
                        device=device, warmup=warmup, rounds=opt("rounds"))
-    benchmark.extra_info.update(preset=point.preset, context=point.context, precision=point.precision,
+    benchmark.extra_info.update(preset=point.preset, context=point.context, precision=point.precision.name,
                                 warmup_steps=warmup)
 
 

@@ -2,7 +2,8 @@
 
 The memory model follows what this repository's model makes autograd save (systems/model.py):
 RMSNorm works in fp32, so the residual stream and both norms' saved tensors stay fp32 under
-autocast; RoPE saves only its cos/sin tables; SwiGLU saves w1's and w3's outputs, the SiLU and
+autocast (with bf16 weights the residual stream is bf16, and the norms save fp32 copies of it);
+RoPE saves only its cos/sin tables; SwiGLU saves w1's and w3's outputs, the SiLU and
 the product; cross_entropy upcasts the logits and keeps three (batch, seq, vocab) fp32 tensors.
 tests/test_accounting.py checks it against the tensors autograd actually saves (CPU) and against
 torch.cuda.max_memory_allocated (GPU).
@@ -13,10 +14,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from systems.benchmarking import DTYPES
-from systems.model import ATTENTION_BACKENDS, TransformerConfig
+import torch
 
-FP32 = 4
+from systems.model import ATTENTION_BACKENDS, TransformerConfig
+from systems.precision import FP32, Precision
+
 GB = 10**9
 H100_BYTES = 80 * GB
 TPU_V5P_BYTES = 95 * GB
@@ -79,8 +81,9 @@ def flops(config: TransformerConfig, batch_size: int, seq: int) -> Flops:
 
 @dataclass(frozen=True)
 class ModelState:
-    """Bytes that do not scale with the batch: fp32 weights, gradients, AdamW's two moments, RoPE tables,
-    and under autocast the low-precision weight copies the forward caches and the backward consumes."""
+    """Bytes that do not scale with the batch: weights and gradients in the weights' dtype, AdamW's state
+    (two fp32 moments, and fp32 master copies of low-precision weights), RoPE tables, and under autocast of
+    fp32 weights the low-precision weight copies the forward caches and the backward consumes."""
 
     params: int
     grads: int
@@ -94,25 +97,24 @@ class ModelState:
         return self.params + self.buffers + self.optimizer
 
 
-def model_state(config: TransformerConfig, precision: str) -> ModelState:
-    _check_precision(precision)
+def model_state(config: TransformerConfig, precision: Precision) -> ModelState:
     params = count_parameters(config)
-    low = DTYPES[precision].itemsize
-    rope_tables = 2 * config.context_length * (config.d_head // 2) * FP32  # cos and sin, every block
+    # cos and sin, every block; cast with the weights
+    rope_tables = 2 * config.context_length * (config.d_head // 2) * precision.weight_bytes
     return ModelState(
-        params=FP32 * params,
-        grads=FP32 * params,
-        optimizer=2 * FP32 * params,
+        params=precision.weight_bytes * params,
+        grads=precision.grad_bytes * params,
+        optimizer=precision.optimizer_bytes * params,
         buffers=config.num_layers * rope_tables,
-        autocast_weights=0 if low == FP32 else low * count_matmul_parameters(config),
+        autocast_weights=precision.autocast_copy_bytes * count_matmul_parameters(config),
     )
 
 
-def residual_stream_bytes(config: TransformerConfig, batch_size: int, seq: int) -> int:
-    """One (batch, seq, d_model) residual-stream tensor: fp32 even under autocast, because the
-    embedding's output is fp32 and each residual add promotes the low-precision branch to it."""
+def residual_stream_bytes(config: TransformerConfig, batch_size: int, seq: int, precision: Precision) -> int:
+    """One (batch, seq, d_model) residual-stream tensor, in the weights' dtype: fp32 even under autocast,
+    because the embedding's output is fp32 and each residual add promotes the low-precision branch to it."""
     _check_shape(config, batch_size, seq)
-    return FP32 * batch_size * seq * config.d_model
+    return precision.weight_bytes * batch_size * seq * config.d_model
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,7 @@ class Activations:
         return self.num_layers * self.per_layer + self.head
 
 
-def activation_memory(config: TransformerConfig, batch_size: int, seq: int, precision: str, *,
+def activation_memory(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, *,
                       attention: str | None = None, device: str = "cuda") -> Activations:
     """Saved-for-backward bytes for `attention` ("naive" has the seq² terms; "sdpa" and "flash" keep
     q, k, v, the output and its logsumexp). `device` matters where kernels differ: CUDA's fused SDPA
@@ -137,21 +139,22 @@ def activation_memory(config: TransformerConfig, batch_size: int, seq: int, prec
     and CUDA autocast runs softmax in fp32 while CPU autocast does not."""
     attention = attention or config.attention
     _check_shape(config, batch_size, seq)
-    _check_precision(precision)
     if attention not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {attention!r}; choose from {sorted(ATTENTION_BACKENDS)}")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-    low = DTYPES[precision].itemsize
-    autocast = low != FP32
+    low = precision.compute.itemsize
+    autocast = precision.uses_autocast
+    casts = precision.weights != precision.compute  # autocast casts the fp32 residual stream and tables
     d, d_ff, heads, vocab = config.d_model, config.d_ff, config.num_heads, config.vocab_size
     tokens = batch_size * seq
     act = tokens * d * low  # one (batch, seq, d_model) tensor in the matmul dtype
 
-    norm = 2 * FP32 * tokens * d + FP32 * tokens  # its fp32 input and normalized input, the rsqrt
-    attn_in = act  # qkv's input; autocast casts the fp32 norm output
-    ffn_in = 2 * act if autocast else act  # w1 and w3 each cast the same fp32 input
-    rope_tables = 2 * 2 * seq * (config.d_head // 2) * low if autocast else 0  # cos/sin casts for q and k
+    # Its fp32 input (the residual stream, or an fp32 copy of a bf16 one) and normalized input, the rsqrt.
+    norm = 2 * FP32 * tokens * d + FP32 * tokens
+    attn_in = act  # qkv's input; autocast casts an fp32 norm output
+    ffn_in = 2 * act if casts else act  # w1 and w3 each cast the same fp32 input
+    rope_tables = 2 * 2 * seq * (config.d_head // 2) * low if casts else 0  # cos/sin casts for q and k
     swiglu = 4 * tokens * d_ff * low  # w1 out (SiLU input), SiLU out, w3 out, product (w2 input)
     q_k = 2 * act  # after RoPE
     if attention == "naive":
@@ -185,14 +188,14 @@ class PeakMemory:
     train_step: int  # forward, backward and AdamW step once the optimizer state exists
 
 
-def peak_memory(config: TransformerConfig, batch_size: int, seq: int, precision: str, *,
+def peak_memory(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, *,
                 attention: str | None = None, device: str = "cuda") -> PeakMemory:
     state = model_state(config, precision)
     acts = activation_memory(config, batch_size, seq, precision, attention=attention, device=device)
-    low = DTYPES[precision].itemsize
+    low, grad = precision.compute.itemsize, precision.grad_bytes
     tokens = batch_size * seq
     d, d_ff, vocab = config.d_model, config.d_ff, config.vocab_size
-    residual = residual_stream_bytes(config, batch_size, seq)
+    residual = residual_stream_bytes(config, batch_size, seq, precision)
     weights = state.params + state.buffers
     forward = weights + state.autocast_weights + acts.total
 
@@ -202,20 +205,20 @@ def peak_memory(config: TransformerConfig, batch_size: int, seq: int, precision:
     # Each block's backward frees its activations and weight copies and adds its gradients, so the
     # blocks' peak, inside SwiGLU's backward (w2's gradient done, the product's two gradients being
     # made), is in the top block or the bottom one.
-    autocast = state.autocast_weights > 0
-    layer_grads = FP32 * (4 * d * d + 3 * d * d_ff + 2 * d)
-    layer_copies = low * (4 * d * d + 3 * d * d_ff) if autocast else 0
-    w2_copy = low * d * d_ff if autocast else 0
-    swiglu_backward = FP32 * d * d_ff - w2_copy + 2 * tokens * d_ff * low
+    copy = precision.autocast_copy_bytes
+    layer_grads = grad * (4 * d * d + 3 * d * d_ff + 2 * d)
+    layer_copies = copy * (4 * d * d + 3 * d * d_ff)
+    w2_copy = copy * d * d_ff
+    swiglu_backward = grad * d * d_ff - w2_copy + 2 * tokens * d_ff * low
     layers = config.num_layers
 
     def in_block(i: int) -> int:  # blocks above i are done
-        return (weights + FP32 * (d * vocab + d) + (layers - 1 - i) * layer_grads
+        return (weights + grad * (d * vocab + d) + (layers - 1 - i) * layer_grads
                 + (i + 1) * (acts.per_layer + layer_copies) + residual + swiglu_backward)
 
     all_grads = weights + state.grads
     forward_backward = max(forward + loss_backward, in_block(layers - 1), in_block(0), all_grads + residual)
-    train_step = state.optimizer + max(forward_backward, all_grads + _optimizer_transient(config, device))
+    train_step = state.optimizer + max(forward_backward, all_grads + _optimizer_transient(config, precision, device))
 
     # No grad: the loss's fp32 logits copies, or one block's SwiGLU working set on top of the residual stream.
     working_set = max(3 * acts.logits, 2 * residual + 3 * tokens * d_ff * low)
@@ -224,12 +227,14 @@ def peak_memory(config: TransformerConfig, batch_size: int, seq: int, precision:
                       train_step=train_step)
 
 
-def _optimizer_transient(config: TransformerConfig, device: str) -> int:
-    """AdamW's scratch: none for the fused CUDA kernel; off CUDA, two temporaries the size of the largest
-    parameter (the square root of the second moment and its bias-corrected quotient)."""
+def _optimizer_transient(config: TransformerConfig, precision: Precision, device: str) -> int:
+    """AdamW's scratch: none for the fused CUDA kernel; off CUDA, fp32 temporaries the size of the largest
+    parameter: the square root of the second moment and its bias-corrected quotient, and for
+    low-precision weights the gradient cast to fp32."""
     if device == "cuda":
         return 0
-    return 2 * FP32 * max(config.vocab_size * config.d_model, config.d_model * config.d_ff)
+    temporaries = 2 if precision.weights == torch.float32 else 3
+    return temporaries * FP32 * max(config.vocab_size * config.d_model, config.d_model * config.d_ff)
 
 
 def _check_shape(config: TransformerConfig, batch_size: int, seq: int) -> None:
@@ -237,11 +242,6 @@ def _check_shape(config: TransformerConfig, batch_size: int, seq: int) -> None:
         raise ValueError(f"batch_size and seq must be positive, got {batch_size} and {seq}")
     if seq > config.context_length:
         raise ValueError(f"seq={seq} exceeds context_length={config.context_length}")
-
-
-def _check_precision(precision: str) -> None:
-    if precision not in DTYPES:
-        raise ValueError(f"unknown precision {precision!r}; choose from {list(DTYPES)}")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ import subprocess
 
 import torch
 
+from systems.precision import Precision
+
 # Dense datasheet peaks per GPU, TFLOP/s (SXM parts). MFU is measured against these.
 PEAK_TFLOPS = {
     "H100 PCIe": {"bf16": 756.0, "fp16": 756.0, "tf32": 378.0, "fp32": 51.0},
@@ -16,24 +18,19 @@ PEAK_TFLOPS = {
     "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
 }
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-DTYPE_NAMES = {dtype: name for name, dtype in DTYPES.items()}
 # The attention implementations the benchmarks time: the naive one as written, torch.compile'd, in tiled
 # PyTorch (FlashAttentionPytorch), in Triton (FlashAttentionTriton), and PyTorch's SDPA.
 ATTENTION_IMPLS = ("naive", "compiled", "pytorch", "triton", "sdpa")
 
 
-def peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
-    """The peak of matmuls in `dtype` on `device`; None off-GPU or for a dtype without one."""
-    if device.type != "cuda" or dtype not in DTYPE_NAMES:
+def peak_tflops(device: torch.device, precision: Precision) -> float | None:
+    """The peak of the precision's matmuls on `device`; None off-GPU or on a GPU without a listed peak."""
+    if device.type != "cuda":
         return None
-    precision = DTYPE_NAMES[dtype]
-    if precision == "fp32" and torch.backends.cuda.matmul.allow_tf32:
-        precision = "tf32"  # fp32 matmuls then run on the tensor cores
     name = torch.cuda.get_device_name(device)
     for key, peaks in PEAK_TFLOPS.items():  # "H100 PCIe" is listed before "H100" on purpose
         if key in name:
-            return peaks[precision]
+            return peaks[precision.peak_key()]
     return None
 
 
@@ -110,11 +107,12 @@ def time_on_device(benchmark, fn, *, device: torch.device, warmup: int, rounds: 
     return benchmark.stats.stats.median if benchmark.stats else None
 
 
-def record_throughput(benchmark, *, seconds: float, flops: float, device: torch.device, dtype: torch.dtype) -> None:
-    """Achieved TFLOP/s and, on a GPU with a known peak, model FLOPs utilization (matmuls in `dtype`)."""
+def record_throughput(benchmark, *, seconds: float, flops: float, device: torch.device,
+                      precision: Precision) -> None:
+    """Achieved TFLOP/s and, on a GPU with a known peak, model FLOPs utilization (the precision's matmuls)."""
     tflops = flops / seconds / 1e12
     benchmark.extra_info["tflops"] = tflops
-    peak = peak_tflops(device, dtype)
+    peak = peak_tflops(device, precision)
     if peak is not None:
         benchmark.extra_info["peak_tflops"] = peak
         benchmark.extra_info["mfu"] = tflops / peak

@@ -32,7 +32,8 @@ from systems.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP,
 from systems.distributed import init_from_env, rank_device
 from systems.model import PRESETS, get_config
 from systems.optim import AdamW, ShardedOptimizer
-from systems.train import PRECISIONS, backward, forward_loss, make_model, optimizer_step, random_batch
+from systems.precision import PRECISIONS, get_precision
+from systems.train import backward, forward_loss, make_model, optimizer_step, random_batch
 
 VARIANTS = ("single", "naive", "flat", "individual", "bucketed", "torch")
 OPTIMIZERS = ("adamw", "sharded", "zero")
@@ -45,7 +46,7 @@ class TrainSpec:
     variant: str = "bucketed"
     bucket_size_mb: float | None = 25.0  # bucketed and torch; None: one bucket (bucketed only)
     optimizer: str = "adamw"
-    precision: str = "fp32"  # systems.train.PRECISIONS; bf16-weights all-reduces bf16 gradients
+    precision: str = "fp32"  # a name in systems.precision.PRECISIONS; bf16-weights all-reduces bf16 gradients
     batch_size: int = 4  # per rank
     context: int = 128
     warmup: int = 2
@@ -140,7 +141,8 @@ def train(spec: TrainSpec) -> dict:
     torch.manual_seed(spec.seed + rank)  # ranks start apart; the wrapper broadcasts rank 0's weights
     _reset_peak(device)
     config = get_config(spec.preset, context_length=spec.context)
-    model = wrap(make_model(config, device, spec.precision), spec, device)
+    precision = get_precision(spec.precision)
+    model = wrap(make_model(config, device, precision), spec, device)
     optimizer = build_optimizer(model.module if spec.variant != "single" else model, spec)
     memory = {"construction": _peak_mb(device)}
     data = torch.Generator().manual_seed(spec.seed)  # one stream of global batches, the same on every rank
@@ -151,7 +153,7 @@ def train(spec: TrainSpec) -> dict:
         clock = PhaseClock(device)
         _reset_peak(device)
         clock.mark()
-        loss = forward_loss(model, tokens[mine], targets[mine], spec.precision)
+        loss = forward_loss(model, tokens[mine], targets[mine], precision)
         clock.mark()
         backward(loss)
         clock.mark()

@@ -24,7 +24,7 @@ from pathlib import Path
 from systems.accounting import BucketedAllReduce, count_parameters, peak_memory
 from systems.history import is_complete
 from systems.model import get_config
-from systems.train import get_precision
+from systems.precision import get_precision
 
 REGRESSION = 1.10  # a time this much above the baseline's is flagged
 MODEL_PHASES = ("forward", "backward", "forward_backward", "step")
@@ -359,7 +359,8 @@ def _predicted_memory(result: Result) -> list[str]:
     try:
         config = get_config(result.get("preset"), attention=result.get("attention", "sdpa"),
                             context_length=result.get("context"))
-        peak = peak_memory(config, result.get("batch_size"), result.get("context"), result.get("precision"))
+        peak = peak_memory(config, result.get("batch_size"), result.get("context"),
+                           get_precision(result.get("precision")))
     except (ValueError, TypeError):  # a point the arithmetic does not know
         return ["", "", ""]
     return [mib(peak.forward), mib(peak.forward_backward), mib(peak.train_step)]

@@ -15,9 +15,14 @@ from systems.accounting import (GB, TPU_V5P_BYTES, TPU_V5P_FLOPS, TPU_V5P_ICI_BA
                                 peak_memory, residual_stream_bytes)
 from systems.model import PRESETS, TransformerConfig, TransformerLM, cross_entropy, get_config
 from systems.optim import AdamW
-from systems.train import autocast, forward_loss, random_batch, train_step
+from systems.precision import PRECISIONS
+from systems.train import forward_loss, make_model, random_batch, train_step
 
 CPU = torch.device("cpu")
+
+
+def precisions(*names):
+    return [pytest.param(PRECISIONS[name], id=name) for name in names]
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -66,11 +71,11 @@ def saved_tensor_bytes(model, tokens, targets, precision) -> int:
 
 
 @pytest.mark.parametrize("attention", ["naive", "sdpa", "flash"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", precisions("fp32", "bf16", "bf16-weights"))
 @pytest.mark.parametrize("num_layers", [1, 3])
 def test_saved_activations_match_autograd(attention, precision, num_layers):
     config = get_config("tiny", attention=attention, num_layers=num_layers)
-    model = TransformerLM(config)
+    model = make_model(config, CPU, precision)
     batch_size, seq = 3, 48
     tokens, targets = (t.clone() for t in random_batch(config, batch_size, seq, CPU))
     predicted = activation_memory(config, batch_size, seq, precision, device="cpu")
@@ -79,34 +84,36 @@ def test_saved_activations_match_autograd(attention, precision, num_layers):
     assert saved_tensor_bytes(model, tokens, targets, precision) == predicted.total + weights
 
 
-def test_residual_stream_is_fp32_under_autocast():
+@pytest.mark.parametrize("precision", precisions("bf16", "bf16-weights"))
+def test_residual_stream_is_in_the_weights_dtype_under_autocast(precision):
     config = get_config("tiny")
-    model = TransformerLM(config)
+    model = make_model(config, CPU, precision)
     tokens, _ = random_batch(config, 2, 24, CPU)
     sizes = []
     for block in model.blocks:
         block.register_forward_hook(lambda module, args, out: sizes.append(out.nbytes))
-    with autocast(CPU, "bf16"):
+    with precision.autocast(CPU):
         model(tokens)
-    assert sizes == [residual_stream_bytes(config, 2, 24)] * config.num_layers
+    assert sizes == [residual_stream_bytes(config, 2, 24, precision)] * config.num_layers
 
 
-def test_state_bytes_match_a_training_step():
+@pytest.mark.parametrize("precision", precisions("fp32", "bf16-weights"))
+def test_state_bytes_match_a_training_step(precision):
     config = get_config("tiny")
-    model = TransformerLM(config)
+    model = make_model(config, CPU, precision)
     optimizer = AdamW(model.parameters())
     tokens, targets = random_batch(config, 2, 16, CPU)
-    forward_loss(model, tokens, targets, "fp32").backward()
+    forward_loss(model, tokens, targets, precision).backward()
     grads = sum(p.grad.nbytes for p in model.parameters())
     optimizer.step()
-    state = model_state(config, "fp32")
+    state = model_state(config, precision)
     assert state.params == sum(p.nbytes for p in model.parameters())
     assert state.grads == grads
     assert state.optimizer == sum(t.nbytes for s in optimizer.state.values() for t in s.values()
                                   if isinstance(t, torch.Tensor))
     assert state.buffers == sum(b.nbytes for b in model.buffers())
     assert state.autocast_weights == 0
-    assert model_state(config, "bf16").autocast_weights == 2 * count_matmul_parameters(config)
+    assert model_state(config, PRECISIONS["bf16"]).autocast_weights == 2 * count_matmul_parameters(config)
 
 
 def _allocations(events):
@@ -155,7 +162,7 @@ def test_cpu_peak_bytes_counts_tensors_and_leaves_out_workspace():
     assert cpu_peak_bytes(lambda: torch.log_softmax(a, dim=-1, dtype=torch.float32)) == 4 * a.nbytes
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", precisions("fp32", "bf16", "bf16-weights"))
 @pytest.mark.parametrize("config", [
     get_config("tiny", attention="naive"),
     get_config("tiny", attention="sdpa"),
@@ -163,7 +170,7 @@ def test_cpu_peak_bytes_counts_tensors_and_leaves_out_workspace():
 ], ids=["tiny-naive", "tiny-sdpa", "small-vocab"])
 def test_peak_memory_matches_cpu_allocations(config, precision):
     batch_size, seq = 2, 64
-    model = TransformerLM(config)
+    model = make_model(config, CPU, precision)
     optimizer = AdamW(model.parameters())
     tokens, targets = random_batch(config, batch_size, seq, CPU)
     predicted = peak_memory(config, batch_size, seq, precision, device="cpu")
@@ -186,7 +193,7 @@ def test_peak_memory_matches_cpu_allocations(config, precision):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("phase", ["forward", "step"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", precisions("fp32", "bf16"))
 @pytest.mark.parametrize("context", [128, 256, 512])
 @pytest.mark.parametrize("preset", ["small", "medium"])
 def test_peak_memory_matches_cuda(preset, context, precision, phase, device):
@@ -317,16 +324,15 @@ def test_best_bucket_count_matches_figures_worked_by_hand(backward_ms, best):
 
 
 @pytest.mark.parametrize("call", [
-    lambda: activation_memory(get_config("tiny"), 2, 16, "fp8"),
-    lambda: activation_memory(get_config("tiny"), 2, 16, "fp32", attention="linear"),
-    lambda: activation_memory(get_config("tiny"), 2, 16, "fp32", device="tpu"),
-    lambda: peak_memory(get_config("tiny"), 0, 16, "fp32"),
+    lambda: activation_memory(get_config("tiny"), 2, 16, PRECISIONS["fp32"], attention="linear"),
+    lambda: activation_memory(get_config("tiny"), 2, 16, PRECISIONS["fp32"], device="tpu"),
+    lambda: peak_memory(get_config("tiny"), 0, 16, PRECISIONS["fp32"]),
     lambda: flops(get_config("tiny"), 2, 257),
     lambda: XXL.fsdp_bytes_per_device(0, 0),
     lambda: BucketedAllReduce(backward_seconds=0.1, param_bytes=1e6, world_size=1, bandwidth=1e9, latency=0),
     lambda: BucketedAllReduce(backward_seconds=0.1, param_bytes=1e6, world_size=2, bandwidth=1e9,
                               latency=0).overhead(0),
-], ids=["precision", "attention", "device", "batch", "seq", "devices", "world-size", "buckets"])
+], ids=["attention", "device", "batch", "seq", "devices", "world-size", "buckets"])
 def test_bad_input_is_a_value_error(call):
     with pytest.raises(ValueError):
         call()

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from systems.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP, fill_buckets
 from systems.distributed import launch, rank_device
 from systems.optim import AdamW, ShardedOptimizer
-from systems.train import autocast, get_precision
+from systems.precision import get_precision
 
 VOCAB, WIDTH, ROWS_PER_RANK, SEQ, STEPS, SEED = 23, 8, 3, 5, 4, 1234
 TRAINABLE = ["norm.bias", "norm.weight", "sometimes.bias", "sometimes.weight", "hidden.bias", "hidden.weight",
@@ -86,7 +86,7 @@ def uses_sometimes(step: int, rank: int, world_size: int) -> bool:
 
 def slice_loss(model, tokens, targets, step, rank, world_size, precision) -> torch.Tensor:
     rows = slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
-    with autocast(tokens.device, precision):
+    with get_precision(precision).autocast(tokens.device):
         logits = model(tokens[rows], uses_sometimes(step, rank, world_size))
         return F.cross_entropy(logits.flatten(0, 1), targets[rows].flatten())
 

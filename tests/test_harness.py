@@ -10,10 +10,10 @@ import torch
 from hypothesis import settings
 
 import conftest
-from systems.benchmarking import ATTENTION_IMPLS, DTYPES, device_info
+from systems.benchmarking import ATTENTION_IMPLS, device_info
 from systems.distributed import BACKENDS
 from systems.model import ATTENTION_BACKENDS, PRESETS
-from systems.train import PRECISIONS
+from systems.precision import DTYPES, PRECISIONS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

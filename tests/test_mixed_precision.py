@@ -66,7 +66,8 @@ def test_bf16_weights_training_tracks_fp32(device):
     fp32 optimizer state, and losses within bf16's resolution of fp32's."""
     from systems.model import TransformerLM, get_config
     from systems.optim import AdamW
-    from systems.train import get_precision, random_batch, train_step
+    from systems.precision import get_precision
+    from systems.train import random_batch, train_step
 
     device = torch.device(device)
     config = get_config("tiny", attention="sdpa")
@@ -78,7 +79,8 @@ def test_bf16_weights_training_tracks_fp32(device):
     runs, optimizers = {}, {}
     for name, model, precision in (("fp32", fp32, "fp32"), ("bf16", bf16, "bf16-weights")):
         optimizers[name] = AdamW(model.parameters(), lr=1e-3)
-        runs[name] = [train_step(model, optimizers[name], tokens, targets, precision).item() for _ in range(5)]
+        runs[name] = [train_step(model, optimizers[name], tokens, targets, get_precision(precision)).item()
+                      for _ in range(5)]
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
     assert {s["master"].dtype for s in optimizers["bf16"].state.values()} == {torch.float32}
     assert runs["bf16"][-1] < runs["bf16"][0]

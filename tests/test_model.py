@@ -6,6 +6,7 @@ import torch
 from systems.model import (ATTENTION_BACKENDS, PRESETS, RMSNorm, RotaryEmbedding, SwiGLU, TransformerBlock,
                            TransformerLM, check_token_ids, cross_entropy, get_config, naive_attention)
 from systems.optim import AdamW
+from systems.precision import PRECISIONS
 from systems.train import random_batch, train_step
 
 EXPECTED_PARAMETERS = {
@@ -149,7 +150,7 @@ def test_loss_falls_when_overfitting_one_batch():
     model = TransformerLM(get_config("tiny"))
     optimizer = AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     tokens, targets = random_batch(model.config, 4, 32, torch.device("cpu"))
-    losses = [train_step(model, optimizer, tokens, targets, "fp32").item() for _ in range(40)]
+    losses = [train_step(model, optimizer, tokens, targets, PRECISIONS["fp32"]).item() for _ in range(40)]
     assert losses[0] == pytest.approx(math.log(model.config.vocab_size), rel=0.2)
     assert losses[-1] < 0.3 * losses[0]
 

@@ -10,6 +10,7 @@ import pytest
 
 from systems.accounting import BucketedAllReduce, count_parameters, peak_memory
 from systems.model import get_config
+from systems.precision import PRECISIONS
 from systems.report import main
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -43,7 +44,7 @@ def save_run(storage: pathlib.Path, number: int, benchmarks: list[dict], oom: tu
 def model_benchmarks(scale: float = 1.0) -> list[dict]:
     out = []
     for context in (128, 256):
-        for precision in ("fp32", "bf16"):
+        for precision in ("fp32", "bf16", "bf16-weights"):
             for phase, seconds in (("forward", 0.01), ("backward", 0.02), ("forward_backward", 0.03), ("step", 0.04)):
                 seconds *= scale * context / 128 * (2 if precision == "fp32" else 1)
                 out.append(bench(f"benches/bench_model.py::test_model[small-ctx{context}-{precision}-eager-{phase}]",
@@ -127,10 +128,11 @@ def test_every_deliverable_gets_its_table_and_plots(tmp_path):
     assert ["small", "128", "bf16", "eager", "10 ± 0.5", "20 ± 1", "30 ± 1.5", "40 ± 2"] in model
     assert ["small", "256", "fp32", "eager", "40 ± 2", "80 ± 4", "120 ± 6", "160 ± 8"] in model
     assert ["small", "128", "eager", "step", "80", "40", "2.00x"] in table_rows(out / "precision.md")
-    predicted = peak_memory(get_config("small", context_length=256), 4, 256, "bf16")
-    assert ["small", "256", "bf16", "eager", "1,256", "1,256", "1,256", "1,256", f"{predicted.forward / 2**20:,.0f}",
-            f"{predicted.forward_backward / 2**20:,.0f}", f"{predicted.train_step / 2**20:,.0f}"] \
-        in table_rows(out / "memory.md")
+    for precision in ("bf16", "bf16-weights"):  # every precision has predictions, bf16-weights included
+        predicted = peak_memory(get_config("small", context_length=256), 4, 256, PRECISIONS[precision])
+        assert ["small", "256", precision, "eager", "1,256", "1,256", "1,256", "1,256",
+                f"{predicted.forward / 2**20:,.0f}", f"{predicted.forward_backward / 2**20:,.0f}",
+                f"{predicted.train_step / 2**20:,.0f}"] in table_rows(out / "memory.md")
     assert [row[0] for row in table_rows(out / "warmup.md")] == ["0", "1", "2", "5"]
 
     handout = table_rows(out / "attention_handout.md")
@@ -219,7 +221,7 @@ def test_compare_flags_regressions(tmp_path):
     assert rows[-1][3:] == ["0.500", "1.000", "faster"]
     assert all(row[-1] == "" for row in rows[1:-1])
     text = (out / "comparison.md").read_text()
-    assert "1 of 19 benchmarks slower by more than 10%" in text and "Only in run 0001: 1 of bench_model" in text
+    assert "1 of 27 benchmarks slower by more than 10%" in text and "Only in run 0001: 1 of bench_model" in text
 
 
 def test_latest_run_and_machine_by_default(tmp_path):
