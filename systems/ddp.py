@@ -30,6 +30,7 @@ from __future__ import annotations
 import itertools
 import math
 import weakref
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -105,9 +106,13 @@ def fill_buckets(params: list[nn.Parameter], bucket_size_mb: float | None) -> li
 
 
 class _DataParallel(nn.Module):
-    """What every variant shares: the rank-0 broadcast, the forward, and finishing a step."""
+    """What every variant shares: the rank-0 broadcast, the forward, and finishing a step.
 
-    def __init__(self, module: nn.Module):
+    `make_units` groups the trainable parameters (last layer first) into the units that are all-reduced
+    together: one per parameter, or buckets.
+    """
+
+    def __init__(self, module: nn.Module, make_units: Callable[[list[nn.Parameter]], list]):
         super().__init__()
         self.module = module
         self.world_size = dist.get_world_size()
@@ -119,10 +124,7 @@ class _DataParallel(nn.Module):
         self.trainable = [p for p in module.parameters() if p.requires_grad][::-1]
         if not self.trainable:
             raise ValueError("the module has no parameter that requires a gradient")
-        self.units = self._make_units(self.trainable)
-
-    def _make_units(self, trainable: list[nn.Parameter]) -> list:
-        raise NotImplementedError
+        self.units = make_units(self.trainable)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -146,11 +148,19 @@ class _DataParallel(nn.Module):
                 param.grad = None
 
 
+def _per_parameter(trainable: list[nn.Parameter]) -> list:
+    return [_InPlace(p) for p in trainable]
+
+
+def _buckets_of(bucket_size_mb: float | None) -> Callable[[list[nn.Parameter]], list]:
+    return lambda trainable: [_Bucket(params) for params in fill_buckets(trainable, bucket_size_mb)]
+
+
 class NaiveDDP(_DataParallel):
     """All-reduce each parameter's gradient, one blocking call after another, after backward."""
 
-    def _make_units(self, trainable: list[nn.Parameter]) -> list:
-        return [_InPlace(p) for p in trainable]
+    def __init__(self, module: nn.Module):
+        super().__init__(module, _per_parameter)
 
     def finish_gradient_synchronization(self) -> None:
         had_gradient = self._had_gradient()
@@ -162,8 +172,8 @@ class NaiveDDP(_DataParallel):
 class FlatDDP(_DataParallel):
     """All-reduce every gradient at once, packed into one flat buffer (one per dtype), after backward."""
 
-    def _make_units(self, trainable: list[nn.Parameter]) -> list:
-        return [_Bucket(params) for params in fill_buckets(trainable, None)]
+    def __init__(self, module: nn.Module):
+        super().__init__(module, _buckets_of(None))
 
     def finish_gradient_synchronization(self) -> None:
         had_gradient = self._had_gradient()
@@ -173,8 +183,8 @@ class FlatDDP(_DataParallel):
 class _OverlappedDDP(_DataParallel):
     """All-reduces launched from post-accumulate-grad hooks while backward is still running."""
 
-    def __init__(self, module: nn.Module):
-        super().__init__(module)
+    def __init__(self, module: nn.Module, make_units: Callable[[list[nn.Parameter]], list]):
+        super().__init__(module, make_units)
         self._unit_of = {param: index for index, unit in enumerate(self.units) for param in unit.params}
         self._reset()
         # Autograd keeps hooks where Python's garbage collector cannot see them: a hook holding this
@@ -208,8 +218,8 @@ class _OverlappedDDP(_DataParallel):
 class DDPIndividualParameters(_OverlappedDDP):
     """An async all-reduce per parameter, launched as soon as backward has produced its gradient."""
 
-    def _make_units(self, trainable: list[nn.Parameter]) -> list:
-        return [_InPlace(p) for p in trainable]
+    def __init__(self, module: nn.Module):
+        super().__init__(module, _per_parameter)
 
 
 class DDPBucketed(_OverlappedDDP):
@@ -218,11 +228,23 @@ class DDPBucketed(_OverlappedDDP):
 
     def __init__(self, module: nn.Module, bucket_size_mb: float | None):
         check_bucket_size(bucket_size_mb)  # before any collective: bad input fails on every rank alike
+        super().__init__(module, _buckets_of(bucket_size_mb))
         self.bucket_size_mb = bucket_size_mb
-        super().__init__(module)
 
-    def _make_units(self, trainable: list[nn.Parameter]) -> list:
-        return [_Bucket(params) for params in fill_buckets(trainable, self.bucket_size_mb)]
+
+# The variants by name, as benchmarks, the training loop and tests choose them.
+VARIANTS = {"naive": NaiveDDP, "flat": FlatDDP, "individual": DDPIndividualParameters, "bucketed": DDPBucketed}
+
+
+def make_ddp(variant: str, module: nn.Module, bucket_size_mb: float | None = None) -> nn.Module:
+    """The data-parallel wrapper `variant` names around `module`; `bucket_size_mb` is for "bucketed" only."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown DDP variant {variant!r}; choose from {list(VARIANTS)}")
+    if variant == "bucketed":
+        return DDPBucketed(module, bucket_size_mb)
+    if bucket_size_mb is not None:
+        raise ValueError(f"bucket_size_mb is for the bucketed variant, not {variant!r}")
+    return VARIANTS[variant](module)
 
 
 def _remove_hooks(handles: list) -> None:

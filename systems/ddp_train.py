@@ -28,14 +28,15 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
 from systems.benchmarking import synchronize
-from systems.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP, check_bucket_size
+from systems import ddp
+from systems.ddp import check_bucket_size, make_ddp
 from systems.distributed import init_from_env, rank_device
 from systems.model import PRESETS, get_config
 from systems.optim import AdamW, ShardedOptimizer
 from systems.precision import PRECISIONS, get_precision
 from systems.train import backward, forward_loss, make_model, optimizer_step, random_batch
 
-VARIANTS = ("single", "naive", "flat", "individual", "bucketed", "torch")
+VARIANTS = ("single", *ddp.VARIANTS, "torch")  # one process; ours; torch's DistributedDataParallel
 OPTIMIZERS = ("adamw", "sharded", "zero")
 PHASES = ("forward", "backward", "comm_wait", "optimizer")
 
@@ -103,9 +104,7 @@ def wrap(model: nn.Module, spec: TrainSpec, device: torch.device) -> nn.Module:
     if spec.variant == "torch":
         return TorchDDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                         bucket_cap_mb=spec.bucket_size_mb)
-    if spec.variant == "bucketed":
-        return DDPBucketed(model, spec.bucket_size_mb)
-    return {"naive": NaiveDDP, "flat": FlatDDP, "individual": DDPIndividualParameters}[spec.variant](model)
+    return make_ddp(spec.variant, model, spec.bucket_size_mb if spec.variant == "bucketed" else None)
 
 
 def build_optimizer(model: nn.Module, spec: TrainSpec) -> torch.optim.Optimizer:
@@ -208,6 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     try:
         result = train(spec)
         rank = dist.get_rank()
+        # No rank tears the group down while another still talks to it: gloo can abort a rank whose peer
+        # closed their connection under it.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
     if rank == 0:

@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from systems.ddp import DDPBucketed, DDPIndividualParameters, FlatDDP, NaiveDDP, fill_buckets
+from systems.ddp import DDPBucketed, fill_buckets, make_ddp
 from systems.distributed import launch, rank_device
 from systems.optim import AdamW, ShardedOptimizer
 from systems.precision import get_precision
@@ -101,8 +101,8 @@ def make_optimizer(name: str, params) -> torch.optim.Optimizer:
 
 def wrap(variant: str, model: nn.Module) -> nn.Module:
     if variant.startswith("bucketed-"):
-        return DDPBucketed(model, BUCKETS[variant.removeprefix("bucketed-")][0])
-    return {"naive": NaiveDDP, "flat": FlatDDP, "individual": DDPIndividualParameters}[variant](model)
+        return make_ddp("bucketed", model, BUCKETS[variant.removeprefix("bucketed-")][0])
+    return make_ddp(variant, model)
 
 
 def batches(device, world_size):
@@ -238,3 +238,12 @@ def test_a_change_of_dtype_starts_a_new_bucket():
 def test_bucketed_rejects_bad_bucket_size(bucket_size_mb):
     with pytest.raises(ValueError, match="bucket_size_mb"):
         DDPBucketed(ToyModel(), bucket_size_mb)
+
+
+@pytest.mark.parametrize("variant, bucket_size_mb, message", [
+    ("buckted", None, "unknown DDP variant 'buckted'"),
+    ("naive", 25.0, "bucket_size_mb is for the bucketed variant"),
+])
+def test_make_ddp_rejects_what_it_cannot_build(variant, bucket_size_mb, message):
+    with pytest.raises(ValueError, match=message):  # before any collective: no process group needed
+        make_ddp(variant, torch.nn.Linear(2, 2), bucket_size_mb)
