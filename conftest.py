@@ -168,9 +168,11 @@ def _check_grid_options(config) -> None:
     """A bad grid option is a usage error at start-up, not a grid that runs nothing or fails every point."""
     for name in [*GRID_CHOICES, *GRID_NUMBERS]:
         flag, value = "--" + name.replace("_", "-"), config.getoption(name)
+        if value is None:  # an --attn-* option left to --attn-grid
+            continue
         if value == [] and name not in EMPTY_MEANS_NONE:
             raise pytest.UsageError(f"{flag}: no values given")
-        for item in value if isinstance(value, list) else [] if value is None else [value]:
+        for item in value if isinstance(value, list) else [value]:
             if name in GRID_CHOICES and item not in GRID_CHOICES[name]:
                 raise pytest.UsageError(f"{flag}: unknown {item!r}; choose from {', '.join(GRID_CHOICES[name])}")
             if name in GRID_NUMBERS and not GRID_NUMBERS[name][1](item):
