@@ -61,10 +61,10 @@ if not torch.cuda.is_available():
     # Triton kernels run on the CPU through the interpreter; read when kernels are first defined.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from systems.benchmarking import ATTENTION_IMPLS, device_info  # noqa: E402
-from systems.distributed import BACKENDS  # noqa: E402
-from systems.gate import RevisionGate  # noqa: E402
-from systems.history import Histories  # noqa: E402
+from systems.bench.timing import ATTENTION_IMPLS, device_info  # noqa: E402
+from systems.parallel.ranks import BACKENDS  # noqa: E402
+from systems.bench.gate import RevisionGate  # noqa: E402
+from systems.bench.history import Histories  # noqa: E402
 from systems.model import ATTENTION_BACKENDS, PRESETS  # noqa: E402
 from systems.precision import DTYPES, PRECISIONS  # noqa: E402
 
@@ -252,7 +252,7 @@ def device() -> torch.device:
 def rank_pools():
     """Spawned process groups kept for a whole module, one per (world size, backend): the distributed
     benchmarks pay for spawning and rendezvous once, not per point."""
-    from systems.distributed import RankPools
+    from systems.parallel.ranks import RankPools
 
     with RankPools(timeout=600) as pools:
         yield pools

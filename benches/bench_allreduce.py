@@ -12,7 +12,7 @@ nccl with one GPU per rank), --allreduce-sizes-mb, --world-sizes, --rounds. Two 
 
 A time is the mean over ranks of each rank's median round, with the spread between ranks' medians.
 Bus bandwidth is algbw · 2(n−1)/n (nccl-tests' busbw). pytest-benchmark's rounds are the back-to-back
-rounds, each as long as its slowest rank (systems.benchmarking.record_timings), so its table, the
+rounds, each as long as its slowest rank (systems.bench.timing.record_timings), so its table, the
 history and the regression gate see the back-to-back time per all-reduce. As a check on how the rounds
 are taken (barrier and drain between them), a bare loop of `--rounds` · LOOP_CALLS all-reduces, timed
 whole the same way, gives `bare_time_s`; `loop_vs_bare` (bare time / back-to-back time) should be 1.
@@ -33,8 +33,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from systems.benchmarking import record_timings, synchronize
-from systems.distributed import rank_device
+from systems.bench.timing import record_timings
+from systems.device import synchronize
+from systems.parallel.ranks import rank_device
 
 WARMUP_CALLS = 5
 LOOP_CALLS = 20  # all-reduces per back-to-back round: nccl-tests' default (-n 20)

@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 
 from systems.attention import FlashAttentionPytorch, attention_reference
-from systems.benchmarking import record_throughput, synchronize, time_on_device
+from systems.bench.timing import record_throughput, time_on_device
+from systems.device import synchronize
 from systems.precision import PRECISIONS, Precision, get_precision
 
 PASSES = ("forward", "backward", "forward_backward")
@@ -93,7 +94,7 @@ def attention_impl(impl: str, device: torch.device):
     if impl == "compiled":
         torch._dynamo.reset()  # one graph per shape: never hit the recompile limit over a grid
         return torch.compile(naive_attention, dynamic=False)
-    # conftest has checked the name against systems.benchmarking.ATTENTION_IMPLS
+    # conftest has checked the name against systems.bench.timing.ATTENTION_IMPLS
     return {"naive": naive_attention, "pytorch": FlashAttentionPytorch.apply, "sdpa": sdpa_attention}[impl]
 
 

@@ -4,7 +4,7 @@ process, a bucket-size sweep, and ShardedOptimizer's memory against AdamW and Ze
 The grid comes from the command line (conftest.py): --ddp-preset, --batch-size (per rank),
 --contexts, --precisions, --world-sizes, --bucket-sizes-mb, --warmup-steps, --rounds (timed
 steps). The backend is NCCL with one GPU per rank where CUDA is available, gloo on CPU otherwise.
-Every rank trains on its own --batch-size rows (systems.ddp_train.train), so the single-process
+Every rank trains on its own --batch-size rows (systems.parallel.train.train), so the single-process
 point does the work of one rank and the ratio `vs_single` is the cost of data parallelism.
 With --precisions bf16-weights the gradients, and so the all-reduces, are bf16: half the bytes.
 
@@ -19,7 +19,7 @@ inside backward, so its comm_wait is zero and backward includes the wait.
 How it is timed: the steps run in spawned ranks, out of reach of pytest-benchmark's timer, and
 are timed there (CUDA events on the compute stream on a GPU, so timing adds no host syncs; the
 wall clock on a CPU). The ranks are started once per world size and kept. pytest-benchmark's
-rounds are the timed steps, each as long as its slowest rank (systems.benchmarking.record_timings),
+rounds are the timed steps, each as long as its slowest rank (systems.bench.timing.record_timings),
 so its table, the history and the regression gate see the real step time.
 """
 
@@ -32,8 +32,8 @@ import pytest
 import torch
 
 from systems.accounting import flops
-from systems.benchmarking import record_throughput, record_timings
-from systems.ddp_train import OPTIMIZERS, PHASES, TrainSpec, train
+from systems.bench.timing import record_throughput, record_timings
+from systems.parallel.train import OPTIMIZERS, PHASES, TrainSpec, train
 from systems.model import get_config
 from systems.precision import Precision, get_precision
 

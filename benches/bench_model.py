@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from systems.accounting import flops
-from systems.benchmarking import record_throughput, time_on_device
+from systems.bench.timing import record_throughput, time_on_device
 from systems.model import TransformerLM, get_config
 from systems.optim import AdamW
 from systems.precision import Precision, get_precision
-from systems.train import backward, forward_loss, make_model, random_batch, train_step
+from systems.step import backward, forward_loss, make_model, random_batch, train_step
 
 PHASES = ("forward", "backward", "forward_backward", "step")
 WARMUP_STUDY = (0, 1, 2, 5)

@@ -187,7 +187,7 @@ class TransformerLM(nn.Module):
 
         The ids' range is checked only with `config.check_tokens`: the check reads them back to the host,
         which stalls a GPU every step. Check them where batches are made instead (`check_token_ids` on the
-        host; `systems.train.random_batch` draws them in range). Unchecked, an id outside [0, vocab_size)
+        host; `systems.step.random_batch` draws them in range). Unchecked, an id outside [0, vocab_size)
         is an IndexError in the embedding on a CPU, and a device-side assert on a GPU.
         """
         _check_token_shape(tokens, self.config.context_length)

@@ -16,7 +16,7 @@ from systems.accounting import (GB, TPU_V5P_BYTES, TPU_V5P_FLOPS, TPU_V5P_ICI_BA
 from systems.model import PRESETS, TransformerConfig, TransformerLM, cross_entropy, get_config
 from systems.optim import AdamW
 from systems.precision import PRECISIONS
-from systems.train import forward_loss, make_model, random_batch, train_step
+from systems.step import forward_loss, make_model, random_batch, train_step
 
 CPU = torch.device("cpu")
 

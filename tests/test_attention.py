@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from systems.attention import FlashAttentionPytorch, attention_reference, flash_attention
 from systems.model import TransformerLM, cross_entropy, get_config
-from systems.train import random_batch
+from systems.step import random_batch
 
 # The Triton kernels compute scores, exp2s and rows of dK and dV that they then mask out or never store (past
 # the diagonal, at padding keys): with extreme logits these overflow, harmlessly, and the interpreter's NumPy

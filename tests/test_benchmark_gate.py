@@ -166,7 +166,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from systems.history import LockedFileStorage
+from systems.bench.history import LockedFileStorage
 
 storage_path, writer, saves, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
 storage = LockedFileStorage(storage_path, SimpleNamespace(info=lambda message: None), "machine")

@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from systems.ddp import DDPBucketed, fill_buckets, make_ddp
-from systems.distributed import launch, rank_device
+from systems.parallel.ddp import DDPBucketed, fill_buckets, make_ddp
+from systems.parallel.ranks import launch, rank_device
 from systems.optim import AdamW, ShardedOptimizer
 from systems.precision import get_precision
 

@@ -10,8 +10,8 @@ import torch
 from hypothesis import settings
 
 import conftest
-from systems.benchmarking import ATTENTION_IMPLS, device_info
-from systems.distributed import BACKENDS
+from systems.bench.timing import ATTENTION_IMPLS, device_info
+from systems.parallel.ranks import BACKENDS
 from systems.model import ATTENTION_BACKENDS, PRESETS
 from systems.precision import DTYPES, PRECISIONS
 
@@ -134,7 +134,7 @@ def test_multi_gpu_tests_take_turns_under_xdist_and_the_summary_names_those_that
 
 WORKER_GPUS = """
 import json, os, pytest, torch
-from systems.distributed import launch
+from systems.parallel.ranks import launch
 
 @pytest.mark.parametrize("n", range(8))
 def test_record_gpus(n):
@@ -179,7 +179,7 @@ def test_xdist_workers_see_every_gpu_their_own_first_and_run_multi_gpu_tests(inn
 
 
 RANK_TIMED_BENCH = """
-from systems.benchmarking import record_timings
+from systems.bench.timing import record_timings
 
 def test_rank_timed(benchmark):
     record_timings(benchmark, [[0.010, 0.030, 0.020], [0.015, 0.010, 0.040]])  # two ranks, three rounds

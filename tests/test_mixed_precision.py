@@ -67,7 +67,7 @@ def test_bf16_weights_training_tracks_fp32(device):
     from systems.model import TransformerLM, get_config
     from systems.optim import AdamW
     from systems.precision import get_precision
-    from systems.train import random_batch, train_step
+    from systems.step import random_batch, train_step
 
     device = torch.device(device)
     config = get_config("tiny", attention="sdpa")

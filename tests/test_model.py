@@ -7,7 +7,7 @@ from systems.model import (ATTENTION_BACKENDS, PRESETS, RMSNorm, RotaryEmbedding
                            TransformerLM, check_token_ids, cross_entropy, get_config, naive_attention)
 from systems.optim import AdamW
 from systems.precision import PRECISIONS
-from systems.train import random_batch, train_step
+from systems.step import random_batch, train_step
 
 EXPECTED_PARAMETERS = {
     "small": 128_625_408,

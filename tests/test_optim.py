@@ -4,7 +4,7 @@ import os
 import pytest
 import torch
 
-from systems import optim
+from systems.optim import adamw
 from systems.optim import AdamW, clip_grad_norm
 
 
@@ -58,7 +58,7 @@ def fused_path(device_kind, monkeypatch):
     if device_kind == "cpu":
         if os.environ.get("TRITON_INTERPRET") != "1":  # conftest sets it where there is no GPU
             pytest.skip("Triton kernels run on CPU tensors only under TRITON_INTERPRET=1")
-        monkeypatch.setattr(optim, "_fusable", lambda p: True)
+        monkeypatch.setattr(adamw, "_fusable", lambda p: True)
     return torch.device(device_kind)
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from systems.distributed import launch, rank_device
+from systems.parallel.ranks import launch, rank_device
 from systems.optim import AdamW, ShardedOptimizer
 
 VOCAB, WIDTH, HIDDEN, STEPS, ADD_GROUP_AT, SEED = 31, 12, 40, 10, 3, 99

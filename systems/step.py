@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
+from systems.device import nvtx_range
 from systems.model import TransformerConfig, TransformerLM, cross_entropy
 from systems.precision import Precision
 
@@ -23,22 +22,6 @@ def make_model(config: TransformerConfig, device: torch.device, precision: Preci
     and then cast, so one seed gives every precision the same starting weights, up to rounding."""
     with torch.device(device):
         return TransformerLM(config).to(precision.weights)
-
-
-def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small table built on the host, on `device`. Through pinned memory the copy is queued on the
-    stream instead of waiting for the work already queued there (the backward pass, say)."""
-    table = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return table.pin_memory().to(device, non_blocking=True)
-    return table
-
-
-def nvtx_range(name: str):
-    """An NVTX range for `nsys profile --capture-range=nvtx`, or nothing off-GPU."""
-    if torch.cuda.is_available():
-        return torch.cuda.nvtx.range(name)
-    return contextlib.nullcontext()
 
 
 def forward_loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor,

@@ -111,9 +111,9 @@ def adamw_update_torch(p, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, we
 
 
 def adamw_update_fused(params, states, *, lr, betas, eps, weight_decay):
-    """The same update for many contiguous tensors of one dtype in one Triton launch (systems.kernels);
+    """The same update for many contiguous tensors of one dtype in one Triton launch (systems.optim.fused_adamw);
     bf16/fp16 parameters are updated through the fp32 master copies in their states."""
-    from systems.kernels import adamw_step
+    from systems.optim.fused_adamw import adamw_step
 
     if params[0].dtype in LOW_PRECISION:
         masters, weights = [s["master"] for s in states], params

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from systems.accounting import BucketedAllReduce, count_parameters, peak_memory
-from systems.history import is_complete
+from systems.bench.history import is_complete
 from systems.model import get_config
 from systems.precision import get_precision
 
@@ -748,6 +748,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {report}")
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,6 +8,7 @@ import subprocess
 
 import torch
 
+from systems.device import synchronize
 from systems.precision import Precision
 
 # Dense datasheet peaks per GPU, TFLOP/s (SXM parts). MFU is measured against these.
@@ -32,11 +33,6 @@ def peak_tflops(device: torch.device, precision: Precision) -> float | None:
         if key in name:
             return peaks[precision.peak_key()]
     return None
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 @functools.cache

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from systems.train import host_to_device
+from systems.device import host_to_device
 
 ADAMW_BLOCK = 4096
 

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from systems.train import host_to_device
+from systems.device import host_to_device
 
 
 class _InPlace:

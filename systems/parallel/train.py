@@ -3,9 +3,9 @@
 `train(spec)` runs on each rank of a process group (or alone, as the single-process baseline):
 each rank takes its slice of one global batch, and the step is timed as forward, backward,
 waiting for gradient communication and optimizer step. The benchmarks run it through
-`systems.distributed.launch`; the same code runs under torchrun, on one node or several:
+`systems.parallel.ranks.launch`; the same code runs under torchrun, on one node or several:
 
-    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node 2 -m systems.ddp_train \\
+    NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node 2 -m systems.parallel.train \\
         --preset small --variant bucketed --bucket-size-mb 25 --steps 10
 
 On a GPU the phases are timed with CUDA events on the compute stream, so timing adds no host
@@ -27,14 +27,14 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from systems.benchmarking import synchronize
-from systems import ddp
-from systems.ddp import check_bucket_size, make_ddp
-from systems.distributed import init_from_env, rank_device
+from systems.device import synchronize
+from systems.parallel import ddp
+from systems.parallel.ddp import check_bucket_size, make_ddp
+from systems.parallel.ranks import init_from_env, rank_device
 from systems.model import PRESETS, get_config
 from systems.optim import AdamW, ShardedOptimizer
 from systems.precision import PRECISIONS, get_precision
-from systems.train import backward, forward_loss, make_model, optimizer_step, random_batch
+from systems.step import backward, forward_loss, make_model, optimizer_step, random_batch
 
 VARIANTS = ("single", *ddp.VARIANTS, "torch")  # one process; ours; torch's DistributedDataParallel
 OPTIMIZERS = ("adamw", "sharded", "zero")
@@ -69,7 +69,7 @@ class TrainSpec:
 
 
 class TorchDDP(DistributedDataParallel):
-    """Torch's DistributedDataParallel with the interface of the wrappers in systems.ddp."""
+    """Torch's DistributedDataParallel with the interface of the wrappers in systems.parallel.ddp."""
 
     def finish_gradient_synchronization(self) -> None:
         """Nothing left to do: torch's reducer waits for its all-reduces at the end of backward."""

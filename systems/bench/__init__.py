@@ -1,0 +1,1 @@
+"""The benchmark harness: timing, device facts, saved histories and the regression gate."""

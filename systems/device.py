@@ -1,0 +1,28 @@
+"""Device helpers with no model behind them: host-to-device tables, synchronization, NVTX ranges."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def host_to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small table built on the host, on `device`. Through pinned memory the copy is queued on the
+    stream instead of waiting for the work already queued there (the backward pass, say)."""
+    table = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return table.pin_memory().to(device, non_blocking=True)
+    return table
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def nvtx_range(name: str):
+    """An NVTX range for `nsys profile --capture-range=nvtx`, or nothing off-GPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.nvtx.range(name)
+    return contextlib.nullcontext()
