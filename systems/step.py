@@ -12,8 +12,7 @@ from systems.precision import Precision
 def random_batch(config: TransformerConfig, batch_size: int, seq: int, device: torch.device,
                  generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Uniformly random token ids and next-token targets, each (batch_size, seq)."""
-    data = torch.randint(config.vocab_size, (batch_size, seq + 1), generator=generator)
-    data = data.to(device)
+    data = torch.randint(config.vocab_size, (batch_size, seq + 1), generator=generator).to(device)
     return data[:, :-1], data[:, 1:]
 
 
@@ -36,12 +35,15 @@ def backward(loss: torch.Tensor) -> None:
 
 
 def optimizer_step(optimizer: torch.optim.Optimizer) -> None:
+    """Step, then drop the gradients (`set_to_none`: no memset, and their memory is free until the next backward)."""
     with nvtx_range("optimizer_step"):
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
 
-def train_step(model, optimizer, tokens, targets, precision: Precision) -> torch.Tensor:
+def train_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor,
+               targets: torch.Tensor, precision: Precision) -> torch.Tensor:
+    """Forward, backward and optimizer step, each in its NVTX range; returns the loss."""
     loss = forward_loss(model, tokens, targets, precision)
     backward(loss)
     optimizer_step(optimizer)

@@ -26,9 +26,10 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from systems.parallel.ddp import DDPBucketed, fill_buckets, make_ddp
-from systems.parallel.ranks import launch, rank_device
+from spawned_ranks import results_by_rank
 from systems.optim import AdamW, ShardedOptimizer
+from systems.parallel.ddp import DDPBucketed, fill_buckets, make_ddp
+from systems.parallel.ranks import rank_device
 from systems.precision import get_precision
 
 VOCAB, WIDTH, ROWS_PER_RANK, SEQ, STEPS, SEED = 23, 8, 3, 5, 4, 1234
@@ -165,14 +166,7 @@ def train_replicas() -> dict:
     return results
 
 
-@pytest.fixture(scope="module", params=[
-    pytest.param(("gloo", 2), id="gloo-2"),
-    pytest.param(("gloo", 4), id="gloo-4"),
-    pytest.param(("nccl", 2), id="nccl-2", marks=pytest.mark.multigpu(2)),
-])
-def replicas(request) -> list[dict]:
-    backend, world_size = request.param
-    return launch(train_replicas, world_size, backend=backend, timeout=240)
+replicas = results_by_rank("replicas", train_replicas, gloo_world_sizes=(2, 4), timeout=240)
 
 
 @pytest.mark.parametrize("optimizer_name, precision", RUNS, ids=["-".join(run) for run in RUNS])

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from systems.accounting import count_parameters
-from systems.parallel.train import TrainSpec, train
+from systems.parallel.train import PHASES, TrainSpec, train
 from systems.parallel.ranks import RankFailed, RankPool, RankPools, RankTimeout, launch, rank_device
 from systems.model import get_config
 
@@ -130,3 +130,19 @@ def test_training_keeps_an_fp32_master_copy_of_bf16_weights(precision, bytes_per
     """AdamW's state is two fp32 moments per parameter, and for a bf16 weight an fp32 master copy too."""
     spec = TrainSpec(preset="tiny", variant="single", precision=precision, batch_size=1, context=8, warmup=0, steps=1)
     assert train(spec)["state_bytes"] == bytes_per_parameter * count_parameters(get_config("tiny"))
+
+
+def test_training_times_every_phase_of_each_timed_step():
+    """Warm-up steps are trained but not timed; a step's time is the sum of its phases."""
+    spec = TrainSpec(preset="tiny", variant="single", batch_size=1, context=8, warmup=1, steps=3)
+    result = train(spec)
+    seconds = result["seconds"]
+    assert len(result["losses"]) == spec.warmup + spec.steps
+    assert list(seconds) == [*PHASES, "step"]
+    assert all(len(values) == spec.steps and min(values) >= 0 for values in seconds.values())
+    torch.testing.assert_close(seconds["step"], [sum(phases) for phases in zip(*(seconds[p] for p in PHASES))])
+
+
+def test_training_without_a_process_group_is_single_process_only():
+    with pytest.raises(ValueError, match="variant 'bucketed' needs a process group"):
+        train(TrainSpec(preset="tiny", variant="bucketed"))

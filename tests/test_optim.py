@@ -142,6 +142,21 @@ def test_adamw_skips_parameters_without_gradients():
     assert unused not in optimizer.state and used in optimizer.state
 
 
+def test_step_evaluates_the_closure_with_gradients_on():
+    weight = torch.nn.Parameter(torch.randn(5))
+    optimizer = AdamW([weight], lr=0.1)
+
+    def closure():
+        loss = (weight**2).sum()
+        loss.backward()
+        return loss
+
+    before = weight.detach().clone()
+    loss = optimizer.step(closure)
+    torch.testing.assert_close(loss.detach(), (before**2).sum())
+    assert not torch.equal(weight.detach(), before)  # updated with the gradient the closure computed
+
+
 @pytest.mark.parametrize("max_norm", [0.5, 1e3])
 def test_clip_grad_norm_matches_torch(max_norm):
     ours = [torch.nn.Parameter(torch.randn(10, 10)) for _ in range(3)]

@@ -5,13 +5,14 @@ one with plain AdamW. Each parameter is updated by the same AdamW arithmetic on 
 owns it and broadcast to the others, so after 10 steps with weight decay the copies must agree,
 the tied embedding/output weight included, while each rank holds state for its shard only. A
 parameter group added mid-training, a learning rate decayed through `param_groups` every step (as
-schedulers do), zero_grad with and without set_to_none, and a generator of parameters are exercised
-along the way.
+schedulers do), zero_grad with and without set_to_none, a generator of parameters and a closure that
+computes the loss in `step()` are exercised along the way.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -19,8 +20,9 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from systems.parallel.ranks import launch, rank_device
+from spawned_ranks import results_by_rank
 from systems.optim import AdamW, ShardedOptimizer
+from systems.parallel.ranks import rank_device
 
 VOCAB, WIDTH, HIDDEN, STEPS, ADD_GROUP_AT, SEED = 31, 12, 40, 10, 3, 99
 LR_DECAY = 0.7  # per step: the last steps' learning rate is a twentieth of the first's
@@ -52,18 +54,16 @@ def train_both() -> dict:
     plain_extra = nn.Parameter(sharded_extra.detach().clone())
     sharded = ShardedOptimizer(sharded_model.parameters(), AdamW, **ADAMW)  # parameters() is a generator
     plain = AdamW(plain_model.parameters(), **ADAMW)
-    grads_after_zero_grad = []
+    grads_after_zero_grad, step_losses = [], {"sharded": [], "plain": []}
     for step in range(STEPS):
         if step == ADD_GROUP_AT:
             sharded.add_param_group({"params": [sharded_extra], **EXTRA_GROUP})
             plain.add_param_group({"params": [plain_extra], **EXTRA_GROUP})
         tokens = torch.randint(VOCAB, (4, 6), device=device)
-        for model, extra, optimizer in ((sharded_model, sharded_extra, sharded), (plain_model, plain_extra, plain)):
-            loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-            if step >= ADD_GROUP_AT:
-                loss = loss + (extra.sin() * loss).sum()
-            loss.backward()
-            optimizer.step()
+        for name, model, extra, optimizer in (("sharded", sharded_model, sharded_extra, sharded),
+                                              ("plain", plain_model, plain_extra, plain)):
+            loss = optimizer.step(functools.partial(backpropagated_loss, model, extra, tokens, step))
+            step_losses[name].append(None if loss is None else loss.item())
             for group in optimizer.param_groups:
                 group["lr"] *= LR_DECAY
         set_to_none = step % 2 == 0
@@ -84,6 +84,7 @@ def train_both() -> dict:
         "state_numel": {names[param]: sum(t.numel() for t in state.values() if torch.is_tensor(t))
                         for param, state in sharded.state.items()},
         "grads_after_zero_grad": grads_after_zero_grad,
+        "step_losses": step_losses,
         # What the restored optimizer's next step would use: its local optimizer's state.
         "restored_matches": [torch.equal(value, restored.local_optimizer.state[param][key])
                              for param, state in sharded.state.items()
@@ -92,19 +93,21 @@ def train_both() -> dict:
     }
 
 
+def backpropagated_loss(model: nn.Module, extra: torch.Tensor, tokens: torch.Tensor, step: int) -> torch.Tensor:
+    """The loss, after its backward: an optimizer step's closure."""
+    loss = F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+    if step >= ADD_GROUP_AT:
+        loss = loss + (extra.sin() * loss).sum()
+    loss.backward()
+    return loss
+
+
 def _snapshot(model: nn.Module, extra: torch.Tensor) -> dict[str, torch.Tensor]:
     tensors = {name: t.detach().cpu().clone() for name, t in model.state_dict().items()}
     return tensors | {"extra": extra.detach().cpu().clone()}
 
 
-@pytest.fixture(scope="module", params=[
-    pytest.param(("gloo", 2), id="gloo-2"),
-    pytest.param(("gloo", 3), id="gloo-3"),
-    pytest.param(("nccl", 2), id="nccl-2", marks=pytest.mark.multigpu(2)),
-])
-def ranks(request) -> list[dict]:
-    backend, world_size = request.param
-    return launch(train_both, world_size, backend=backend, timeout=180)
+ranks = results_by_rank("ranks", train_both, gloo_world_sizes=(2, 3), timeout=180)
 
 
 def test_matches_unsharded_adamw(ranks):
@@ -142,6 +145,14 @@ def test_shards_are_balanced_by_size(ranks):
     loads = [sum(numel[name] for name, rank in owner.items() if rank == r) for r in range(len(ranks))]
     assert all(loads)
     assert max(loads) - min(loads) <= max(numel.values())
+
+
+def test_step_returns_the_closure_loss(ranks):
+    for result in ranks:
+        assert None not in result["step_losses"]["sharded"]
+        # As close as the parameters the losses are computed from (test_matches_unsharded_adamw).
+        torch.testing.assert_close(result["step_losses"]["sharded"], result["step_losses"]["plain"], rtol=1e-6,
+                                   atol=1e-7)
 
 
 def test_zero_grad_clears_every_parameter(ranks):

@@ -1,4 +1,4 @@
-"""Small Triton kernels the model's training step uses (attention lives in systems.attention)."""
+"""The fused AdamW update: one Triton launch updates many tensors, each read and written once."""
 
 import functools
 

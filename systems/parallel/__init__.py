@@ -1,1 +1,2 @@
-"""Data parallelism: rank pools and launch, the DDP wrappers, and the data-parallel training loop."""
+"""Data parallelism: rank pools and launch (ranks), the DDP wrappers (ddp), the data-parallel training loop and
+its torchrun entry point (train), and the clock and memory meters of its steps (meters)."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import statistics
-import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -27,13 +27,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from systems.device import synchronize
+from systems.model import PRESETS, TransformerConfig, get_config
+from systems.optim import AdamW, ShardedOptimizer
 from systems.parallel import ddp
 from systems.parallel.ddp import check_bucket_size, make_ddp
+from systems.parallel.meters import PeakMemory, PhaseClock
 from systems.parallel.ranks import init_from_env, rank_device
-from systems.model import PRESETS, get_config
-from systems.optim import AdamW, ShardedOptimizer
-from systems.precision import PRECISIONS, get_precision
+from systems.precision import PRECISIONS, Precision, get_precision
 from systems.step import backward, forward_loss, make_model, optimizer_step, random_batch
 
 VARIANTS = ("single", *ddp.VARIANTS, "torch")  # one process; ours; torch's DistributedDataParallel
@@ -68,6 +68,48 @@ class TrainSpec:
             raise ValueError("batch_size, context and steps must be positive and warmup non-negative")
 
 
+@dataclass(frozen=True)
+class Rank:
+    """Where this process trains: its rank among `world_size` (0 of 1 without a process group) and its device."""
+
+    index: int
+    world_size: int
+    device: torch.device
+
+    @classmethod
+    def current(cls, variant: str) -> Rank:
+        if dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size(), rank_device())
+        if variant != "single":
+            raise ValueError(f"variant {variant!r} needs a process group")
+        return cls(0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+
+    def rows(self, per_rank: int) -> slice:
+        """This rank's rows of a global batch."""
+        return slice(self.index * per_rank, (self.index + 1) * per_rank)
+
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        """`values` averaged over the ranks, in place."""
+        if self.world_size > 1:
+            dist.all_reduce(values)
+            values /= self.world_size
+        return values
+
+
+class SingleProcess(nn.Module):
+    """One process training alone, with the interface of the wrappers in systems.parallel.ddp."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Nothing to synchronize."""
+
+
 class TorchDDP(DistributedDataParallel):
     """Torch's DistributedDataParallel with the interface of the wrappers in systems.parallel.ddp."""
 
@@ -75,32 +117,37 @@ class TorchDDP(DistributedDataParallel):
         """Nothing left to do: torch's reducer waits for its all-reduces at the end of backward."""
 
 
-class PhaseClock:
-    """Timestamps between the phases of a step: CUDA events on a GPU, the wall clock on a CPU."""
+def train(spec: TrainSpec) -> dict:
+    """Train data-parallel on this rank (or alone without a process group); return its measurements.
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.marks = []
-
-    def mark(self) -> None:
-        if self.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def seconds(self) -> list[float]:
-        """Seconds between consecutive marks."""
-        synchronize(self.device)
-        if self.device.type == "cuda":
-            return [start.elapsed_time(end) / 1e3 for start, end in zip(self.marks, self.marks[1:])]
-        return [end - start for start, end in zip(self.marks, self.marks[1:])]
+    Returns per-step losses averaged over ranks (warm-up steps included), per-phase seconds of
+    each timed step, this rank's optimizer-state bytes and, on a GPU, peak memory in MiB: during
+    construction, and in the last step before and during the optimizer step.
+    """
+    rank = Rank.current(spec.variant)
+    torch.manual_seed(spec.seed + rank.index)  # ranks start apart; the wrapper broadcasts rank 0's weights
+    memory = PeakMemory(rank.device)
+    config = get_config(spec.preset, context_length=spec.context)
+    precision = get_precision(spec.precision)
+    model = wrap(make_model(config, rank.device, precision), spec, rank.device)
+    optimizer = build_optimizer(model.module, spec)
+    memory.mark("construction")
+    losses, clocks = [], []
+    for tokens, targets in rank_batches(config, spec, rank):
+        loss, clock = timed_step(model, optimizer, tokens, targets, precision, memory)
+        losses.append(loss)
+        clocks.append(clock)
+    result = {"losses": rank.mean(torch.stack(losses).float()).tolist(),
+              "seconds": phase_seconds(clocks[spec.warmup:]), "state_bytes": optimizer_state_bytes(optimizer)}
+    if rank.device.type == "cuda":
+        result["memory_mb"] = memory.mb
+    return result
 
 
 def wrap(model: nn.Module, spec: TrainSpec, device: torch.device) -> nn.Module:
+    """`model` in the variant's wrapper; each has `module` and `finish_gradient_synchronization()`."""
     if spec.variant == "single":
-        return model
+        return SingleProcess(model)
     if spec.variant == "torch":
         return TorchDDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                         bucket_cap_mb=spec.bucket_size_mb)
@@ -111,10 +158,46 @@ def build_optimizer(model: nn.Module, spec: TrainSpec) -> torch.optim.Optimizer:
     if spec.optimizer == "sharded":
         return ShardedOptimizer(model.parameters(), AdamW, lr=spec.lr)
     if spec.optimizer == "zero":
-        from torch.distributed.optim import ZeroRedundancyOptimizer  # here: importing it costs each rank ~2 s
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # here: a slow import, for this optimizer only
 
         return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=AdamW, lr=spec.lr)
     return AdamW(model.parameters(), lr=spec.lr)
+
+
+def rank_batches(config: TransformerConfig, spec: TrainSpec, rank: Rank) -> Iterator[tuple[torch.Tensor, ...]]:
+    """This rank's rows of every global batch, warm-up steps included: (tokens, targets), each (batch_size, context)."""
+    data = torch.Generator().manual_seed(spec.seed)  # one stream of global batches, the same on every rank
+    mine = rank.rows(spec.batch_size)
+    for _ in range(spec.warmup + spec.steps):
+        tokens, targets = random_batch(config, spec.batch_size * rank.world_size, spec.context, rank.device, data)
+        yield tokens[mine], targets[mine]
+
+
+def timed_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor,
+               precision: Precision, memory: PeakMemory) -> tuple[torch.Tensor, PhaseClock]:
+    """One training step; returns its loss and a clock marked between PHASES. `memory` records the peak
+    before the optimizer step and during it."""
+    clock = PhaseClock(tokens.device)
+    memory.reset()
+    clock.mark()
+    loss = forward_loss(model, tokens, targets, precision)
+    clock.mark()
+    backward(loss)
+    clock.mark()
+    model.finish_gradient_synchronization()
+    clock.mark()
+    memory.mark("before_step")
+    optimizer_step(optimizer)
+    clock.mark()
+    memory.mark("after_step")
+    return loss.detach(), clock
+
+
+def phase_seconds(clocks: list[PhaseClock]) -> dict[str, list[float]]:
+    """Per phase, and for the whole step, the seconds of each clocked step."""
+    steps = [clock.seconds() for clock in clocks]
+    phases = {name: [seconds[i] for seconds in steps] for i, name in enumerate(PHASES)}
+    return phases | {"step": [sum(seconds) for seconds in steps]}
 
 
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
@@ -124,85 +207,9 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
                if isinstance(t, torch.Tensor))
 
 
-def train(spec: TrainSpec) -> dict:
-    """Train data-parallel on this rank (or alone without a process group); return its measurements.
-
-    Returns per-step losses averaged over ranks (warm-up steps included), per-phase seconds of
-    each timed step, this rank's optimizer-state bytes and, on a GPU, peak memory in MiB: during
-    construction, and in the last step before and during the optimizer step.
-    """
-    distributed = dist.is_initialized()
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    device = rank_device() if distributed else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if spec.variant != "single" and not distributed:
-        raise ValueError(f"variant {spec.variant!r} needs a process group")
-
-    torch.manual_seed(spec.seed + rank)  # ranks start apart; the wrapper broadcasts rank 0's weights
-    _reset_peak(device)
-    config = get_config(spec.preset, context_length=spec.context)
-    precision = get_precision(spec.precision)
-    model = wrap(make_model(config, device, precision), spec, device)
-    optimizer = build_optimizer(model.module if spec.variant != "single" else model, spec)
-    memory = {"construction": _peak_mb(device)}
-    data = torch.Generator().manual_seed(spec.seed)  # one stream of global batches, the same on every rank
-    losses, clocks = [], []
-    for step in range(spec.warmup + spec.steps):
-        tokens, targets = random_batch(config, spec.batch_size * world_size, spec.context, device, data)
-        mine = slice(rank * spec.batch_size, (rank + 1) * spec.batch_size)
-        clock = PhaseClock(device)
-        _reset_peak(device)
-        clock.mark()
-        loss = forward_loss(model, tokens[mine], targets[mine], precision)
-        clock.mark()
-        backward(loss)
-        clock.mark()
-        if spec.variant != "single":
-            model.finish_gradient_synchronization()
-        clock.mark()
-        memory["before_step"] = _peak_mb(device)
-        _reset_peak(device)
-        optimizer_step(optimizer)
-        clock.mark()
-        memory["after_step"] = _peak_mb(device)
-        losses.append(loss.detach())
-        if step >= spec.warmup:
-            clocks.append(clock)
-
-    phases = {name: [] for name in PHASES + ("step",)}
-    for clock in clocks:
-        seconds = clock.seconds()
-        for name, value in zip(PHASES, seconds):
-            phases[name].append(value)
-        phases["step"].append(sum(seconds))
-    losses = torch.stack(losses).float()
-    if distributed:
-        dist.all_reduce(losses)
-        losses /= world_size
-    result = {"losses": losses.tolist(), "seconds": phases, "state_bytes": optimizer_state_bytes(optimizer)}
-    if device.type == "cuda":
-        result["memory_mb"] = memory
-    return result
-
-
-def _peak_mb(device: torch.device) -> float | None:
-    return torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-
-
-def _reset_peak(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-
-
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Data-parallel training under torchrun (env:// rendezvous).")
-    parser.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo")
-    for field in dataclasses.fields(TrainSpec):
-        default = field.default
-        kind = float if field.name == "bucket_size_mb" else type(default)
-        parser.add_argument(f"--{field.name.replace('_', '-')}", type=kind, default=default)
-    args = vars(parser.parse_args(argv))
-    backend = args.pop("backend")
-    spec = TrainSpec(**args)
+    """The torchrun entry point: train on every rank of an env:// process group; rank 0 prints the result."""
+    backend, spec = parse_args(argv)
     init_from_env(backend)
     try:
         result = train(spec)
@@ -213,10 +220,25 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        for step, loss in enumerate(result["losses"]):
-            print(f"step {step} loss {loss!r}")
-        print("median ms:", ", ".join(f"{name} {statistics.median(seconds) * 1e3:.3f}"
-                                      for name, seconds in result["seconds"].items()))
+        print_result(result)
+
+
+def parse_args(argv: list[str] | None) -> tuple[str, TrainSpec]:
+    """The process-group backend and a TrainSpec, one option per field (--bucket-size-mb for bucket_size_mb)."""
+    parser = argparse.ArgumentParser(description="Data-parallel training under torchrun (env:// rendezvous).")
+    parser.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo")
+    for field in dataclasses.fields(TrainSpec):
+        parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
+    args = vars(parser.parse_args(argv))
+    backend = args.pop("backend")
+    return backend, TrainSpec(**args)
+
+
+def print_result(result: dict) -> None:
+    for step, loss in enumerate(result["losses"]):
+        print(f"step {step} loss {loss!r}")
+    print("median ms:", ", ".join(f"{name} {statistics.median(seconds) * 1e3:.3f}"
+                                  for name, seconds in result["seconds"].items()))
 
 
 if __name__ == "__main__":
