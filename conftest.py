@@ -58,13 +58,16 @@ from hypothesis import settings  # noqa: E402
 from pytest_benchmark.utils import get_tag, parse_compare_fail  # noqa: E402
 
 if not torch.cuda.is_available():
-    # Triton kernels run on the CPU through the interpreter; read when kernels are first defined.
+    # Triton kernels run on the CPU through its interpreter. Triton reads this when it defines a kernel, which
+    # systems.attention does on first use: set here, it precedes every test.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from systems.bench.timing import ATTENTION_IMPLS, device_info  # noqa: E402
+from systems.attention import BENCHED_BACKENDS  # noqa: E402
+from systems.bench.timing import device_info  # noqa: E402
 from systems.parallel.ranks import BACKENDS  # noqa: E402
 from systems.bench.gate import RevisionGate  # noqa: E402
 from systems.bench.history import Histories  # noqa: E402
+from systems.bench.schema import POINT  # noqa: E402
 from systems.model import ATTENTION_BACKENDS, PRESETS  # noqa: E402
 from systems.precision import DTYPES, PRECISIONS  # noqa: E402
 
@@ -90,7 +93,7 @@ def _csv(kind):
 
 # What each grid option may hold, checked once at start-up: names from where they are defined, or numbers in range.
 GRID_CHOICES = {"presets": PRESETS, "precisions": PRECISIONS, "attention": ATTENTION_BACKENDS,
-                "attn_precisions": DTYPES, "attn_impls": ATTENTION_IMPLS, "allreduce_backends": BACKENDS,
+                "attn_precisions": DTYPES, "attn_impls": BENCHED_BACKENDS, "allreduce_backends": BACKENDS,
                 "ddp_preset": PRESETS}
 _POSITIVE = ("positive", lambda x: x > 0 and math.isfinite(x))
 GRID_NUMBERS = {"contexts": _POSITIVE, "compile_contexts": _POSITIVE, "batch_size": _POSITIVE, "rounds": _POSITIVE,
@@ -311,8 +314,11 @@ class _OutOfMemoryGuard:
         del exc, tb  # the traceback pins the tensors; drop it before freeing the cache
         gc.collect()
         torch.cuda.empty_cache()
-        self.request.config.stash.setdefault(_OOM_KEY, []).append(
-            {"name": self.request.node.name, "fullname": self.request.node.nodeid, "error": message})
+        record = {"name": self.request.node.name, "fullname": self.request.node.nodeid, "error": message}
+        benchmark = self.request.node.funcargs.get("benchmark")
+        if benchmark is not None and POINT in benchmark.extra_info:  # the point, as its result would hold it
+            record[POINT] = benchmark.extra_info[POINT]
+        self.request.config.stash.setdefault(_OOM_KEY, []).append(record)
         pytest.skip(f"out of memory: {message}")
 
 

@@ -27,28 +27,18 @@ from __future__ import annotations
 import functools
 import statistics
 import time
-from dataclasses import dataclass
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from systems.bench.schema import POINT, AllReducePoint
 from systems.bench.timing import record_timings
 from systems.device import synchronize
 from systems.parallel.ranks import rank_device
 
 WARMUP_CALLS = 5
 LOOP_CALLS = 20  # all-reduces per back-to-back round: nccl-tests' default (-n 20)
-
-
-@dataclass(frozen=True)
-class AllReducePoint:
-    backend: str
-    world_size: int
-    size_mb: float
-
-    def __str__(self) -> str:
-        return f"{self.backend}-{self.world_size}ranks-{self.size_mb:g}MiB"
 
 
 def pytest_generate_tests(metafunc):
@@ -117,6 +107,7 @@ def test_allreduce(benchmark, point, rank_pools, request, skip_on_oom):
         pytest.skip(f"needs {point.world_size} GPUs, found {torch.cuda.device_count()}")
     benchmark.group = f"allreduce-{point.backend}-{point.world_size}ranks"
     rounds = request.config.getoption("rounds")
+    benchmark.extra_info[POINT] = point.to_dict()
     with skip_on_oom:
         ranks = rank_pools.run(point.world_size, point.backend, time_all_reduce, point.size_mb, rounds)[0]
     record_timings(benchmark, [rank["loop_seconds"] for rank in ranks])
@@ -126,8 +117,7 @@ def test_allreduce(benchmark, point, rank_pools, request, skip_on_oom):
     bare = statistics.mean(rank["bare_seconds"] for rank in ranks)
     busbw = functools.partial(bus_bandwidth_gbps, nbytes, world_size=point.world_size)
     benchmark.extra_info.update(
-        backend=point.backend, world_size=point.world_size, size_mb=point.size_mb, bytes=nbytes,
-        warmup_calls=WARMUP_CALLS, rounds=rounds, loop_calls=LOOP_CALLS,
+        bytes=nbytes, warmup_calls=WARMUP_CALLS, rounds=rounds, loop_calls=LOOP_CALLS,
         latency_s=latency, latency_spread_s=latency_spread, latency_busbw_gbps=busbw(latency),
         loop_time_s=loop, loop_spread_s=loop_spread, algbw_gbps=nbytes / loop / 1e9, busbw_gbps=busbw(loop),
         bare_time_s=bare, bare_busbw_gbps=busbw(bare), loop_vs_bare=bare / loop)

@@ -10,19 +10,18 @@ inputs (`sdpa_device_ms`, `vs_sdpa`). A point that runs out of GPU memory is rec
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
-from dataclasses import dataclass
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from systems.attention import FlashAttentionPytorch, attention_reference
+from systems.attention import BACKENDS, sdpa_attention
+from systems.bench.schema import ATTENTION_PASSES, ATTENTION_SWEEPS, POINT, AttentionPoint
 from systems.bench.timing import record_throughput, time_on_device
 from systems.device import synchronize
-from systems.precision import PRECISIONS, Precision, get_precision
+from systems.precision import PRECISIONS, get_precision
 
-PASSES = ("forward", "backward", "forward_backward")
 PASS_FLOPS = {"forward": 1.0, "backward": 2.5, "forward_backward": 3.5}  # in units of one forward pass
 GRIDS = {  # sweep: (seqs, dims, precisions)
     "tiny": {"handout": ([128, 256], [16, 32], ["fp32"]), "flash": ([128, 256], [16, 32], ["fp32"])},
@@ -30,27 +29,15 @@ GRIDS = {  # sweep: (seqs, dims, precisions)
              "flash": ([2**i for i in range(7, 17)], [16, 32, 64, 128], ["bf16", "fp32"])},
 }
 SWEEP_IMPLS = {"handout": ("naive", "compiled"), "flash": ("naive", "compiled", "pytorch", "triton", "sdpa")}
-LEADERBOARD_SHAPE = (16, 16384, 64)  # (batch, seq, d), bf16, causal
+# The leaderboard's configuration; its tests time each pass of it.
+LEADERBOARD = AttentionPoint("leaderboard", "triton", batch=16, seq=16384, d=64, precision=PRECISIONS["bf16"],
+                             is_causal=True, pass_="forward")
 SECOND_SHAPE_SEQ = 1024  # the sequence length the "after a second shape" leaderboard point is compiled at first
 DEVICE_MS_TURNS = 3  # Triton's and SDPA's forward kernel times, taken in turns this many times each
 
 
-@dataclass(frozen=True)
-class AttentionPoint:
-    sweep: str
-    impl: str
-    batch: int
-    seq: int
-    d: int
-    precision: Precision  # one of systems.precision.DTYPES
-    is_causal: bool
-
-    def __str__(self) -> str:
-        return f"{self.impl}-seq{self.seq}-d{self.d}-{self.precision.name}"
-
-
 def attention_grid(config, sweep: str) -> list[AttentionPoint]:
-    """The handout sweep: batch 8, one head, no mask, fp32. The FlashAttention sweep: batch 1, causal."""
+    """The points of an ATTENTION_SWEEPS sweep, over the grid's sequence lengths, head dims and precisions."""
     opt = config.getoption
     seqs, dims, precisions = GRIDS[opt("attn_grid")][sweep]
     seqs, dims = opt("attn_seqs") or seqs, opt("attn_dims") or dims
@@ -58,11 +45,12 @@ def attention_grid(config, sweep: str) -> list[AttentionPoint]:
         precisions = opt("attn_precisions") or precisions
     default = ("naive", "compiled", "triton", "sdpa") if torch.cuda.is_available() else ("naive", "pytorch", "sdpa")
     impls = [impl for impl in opt("attn_impls") or default if impl in SWEEP_IMPLS[sweep]]
-    batch, is_causal = (8, False) if sweep == "handout" else (1, True)
+    shape = ATTENTION_SWEEPS[sweep]
     # The implementations of one shape run back to back, so the GPU's clocks and temperature are alike
     # for the points that get compared.
-    return [AttentionPoint(sweep, impl, batch, seq, d, precision, is_causal)
-            for precision in map(get_precision, precisions) for d in dims for seq in seqs for impl in impls]
+    return [AttentionPoint(sweep, impl, shape.batch, seq, d, precision, shape.is_causal, pass_)
+            for precision in map(get_precision, precisions) for d in dims for seq in seqs for impl in impls
+            for pass_ in shape.passes]
 
 
 def pytest_generate_tests(metafunc):
@@ -70,32 +58,16 @@ def pytest_generate_tests(metafunc):
         if f"{sweep}_point" in metafunc.fixturenames:
             metafunc.parametrize(f"{sweep}_point", attention_grid(metafunc.config, sweep), ids=str)
     if "pass_" in metafunc.fixturenames:
-        # The handout times forward and backward apart.
-        handout = "handout_point" in metafunc.fixturenames
-        metafunc.parametrize("pass_", PASSES[:2] if handout else PASSES)
-
-
-def naive_attention(q, k, v, is_causal):
-    return attention_reference(q, k, v, is_causal)[0]
-
-
-def sdpa_attention(q, k, v, is_causal):
-    return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+        metafunc.parametrize("pass_", ATTENTION_PASSES)
 
 
 def attention_impl(impl: str, device: torch.device):
-    """The (q, k, v, is_causal) -> o function that `impl` names."""
-    if impl == "triton":
-        if device.type != "cuda":
-            pytest.skip("the Triton kernels are benchmarked on CUDA only (the interpreter is far too slow)")
-        from systems.attention import FlashAttentionTriton
-
-        return FlashAttentionTriton.apply
+    """The (q, k, v, is_causal) -> o function that `impl` names in systems.attention.BACKENDS."""
+    if impl == "triton" and device.type != "cuda":
+        pytest.skip("the Triton kernels are benchmarked on CUDA only (the interpreter is far too slow)")
     if impl == "compiled":
         torch._dynamo.reset()  # one graph per shape: never hit the recompile limit over a grid
-        return torch.compile(naive_attention, dynamic=False)
-    # conftest has checked the name against systems.bench.timing.ATTENTION_IMPLS
-    return {"naive": naive_attention, "pytorch": FlashAttentionPytorch.apply, "sdpa": sdpa_attention}[impl]
+    return BACKENDS[impl]
 
 
 def attention_flops(batch: int, heads: int, n_queries: int, n_keys: int, d: int, is_causal: bool) -> float:
@@ -133,20 +105,18 @@ def time_attention_pass(benchmark, request, device, attend, inputs, is_causal: b
                           **timing)
 
 
-def run_point(benchmark, request, device, point: AttentionPoint, pass_: str) -> None:
+def run_point(benchmark, request, device, point: AttentionPoint) -> None:
     attend = attention_impl(point.impl, device)
-    benchmark.group = f"{point.sweep} {pass_} d={point.d} {point.precision.name}"
-    benchmark.extra_info.update(vars(point), precision=point.precision.name)
-    benchmark.extra_info["pass"] = pass_
+    benchmark.group = f"{point.sweep} {point.pass_} d={point.d} {point.precision.name}"
     shape = (point.batch, 1, point.seq, point.d)  # one head
     inputs = [torch.randn(shape, device=device, dtype=point.precision.compute, requires_grad=True)
               for _ in range(3)]
-    seconds = time_attention_pass(benchmark, request, device, attend, inputs, point.is_causal, pass_)
+    seconds = time_attention_pass(benchmark, request, device, attend, inputs, point.is_causal, point.pass_)
     if seconds is None:  # --benchmark-disable: the pass ran once, untimed
         return
-    flops = PASS_FLOPS[pass_] * attention_flops(point.batch, 1, point.seq, point.seq, point.d, point.is_causal)
+    flops = PASS_FLOPS[point.pass_] * attention_flops(point.batch, 1, point.seq, point.seq, point.d, point.is_causal)
     benchmark.extra_info["ms"] = seconds * 1e3
-    if pass_ == "forward" and point.impl in ("triton", "sdpa") and device.type == "cuda":
+    if point.pass_ == "forward" and point.impl in ("triton", "sdpa") and device.type == "cuda":
         record_device_ms(benchmark, attend, inputs, point)
     record_throughput(benchmark, seconds=seconds, flops=flops, device=device, precision=point.precision)
 
@@ -180,14 +150,16 @@ def forward_device_ms(attend, inputs, is_causal: bool) -> float:
         return do_bench_cudagraph(lambda: attend(*inputs, is_causal), return_mode="median")
 
 
-def test_handout_sweep(benchmark, request, device, skip_on_oom, handout_point, pass_):
+def test_handout_sweep(benchmark, request, device, skip_on_oom, handout_point):
+    benchmark.extra_info[POINT] = handout_point.to_dict()
     with skip_on_oom:
-        run_point(benchmark, request, device, handout_point, pass_)
+        run_point(benchmark, request, device, handout_point)
 
 
-def test_flash_sweep(benchmark, request, device, skip_on_oom, flash_point, pass_):
+def test_flash_sweep(benchmark, request, device, skip_on_oom, flash_point):
+    benchmark.extra_info[POINT] = flash_point.to_dict()
     with skip_on_oom:
-        run_point(benchmark, request, device, flash_point, pass_)
+        run_point(benchmark, request, device, flash_point)
 
 
 @pytest.mark.gpu
@@ -210,22 +182,22 @@ def run_leaderboard(benchmark, request, device, skip_on_oom, pass_, first_seq: i
 
     torch._dynamo.reset()  # Dynamo caches by function: a point must not see the shapes of another
     flash = torch.compile(FlashAttentionTriton.apply)
-    batch, seq, d = LEADERBOARD_SHAPE
+    point = dataclasses.replace(LEADERBOARD, pass_=pass_)
     benchmark.group = f"leaderboard {pass_}"
-    benchmark.extra_info["first_seq"] = first_seq
+    benchmark.extra_info.update({POINT: point.to_dict(), "first_seq": first_seq})
     with skip_on_oom:
         if first_seq is not None:
-            first = [torch.randn(batch, first_seq, d, device=device, dtype=torch.bfloat16, requires_grad=True)
-                     for _ in range(3)]
-            flash(*first, True).sum().backward()
+            first = [torch.randn(point.batch, first_seq, point.d, device=device, dtype=point.precision.compute,
+                                 requires_grad=True) for _ in range(3)]
+            flash(*first, point.is_causal).sum().backward()
             del first
-        inputs = [torch.randn(batch, seq, d, device=device, dtype=torch.bfloat16, requires_grad=True)
-                  for _ in range(3)]
-        seconds = time_attention_pass(benchmark, request, device, flash, inputs, True, pass_)
+        inputs = [torch.randn(point.batch, point.seq, point.d, device=device, dtype=point.precision.compute,
+                              requires_grad=True) for _ in range(3)]
+        seconds = time_attention_pass(benchmark, request, device, flash, inputs, point.is_causal, pass_)
         if seconds is None:  # --benchmark-disable
             return
-        flops = PASS_FLOPS[pass_] * attention_flops(batch, 1, seq, seq, d, True)
-        record_throughput(benchmark, seconds=seconds, flops=flops, device=device, precision=PRECISIONS["bf16"])
+        flops = PASS_FLOPS[pass_] * attention_flops(point.batch, 1, point.seq, point.seq, point.d, point.is_causal)
+        record_throughput(benchmark, seconds=seconds, flops=flops, device=device, precision=point.precision)
         # SDPA beside it, both timed alike with CUDA events (median of do_bench, L2 flushed between calls).
         heads = [t.unsqueeze(1) for t in inputs]  # SDPA's fused kernels want (batch, heads, seq, d)
         ms = {name: _do_bench_pass(do_bench, attend, args, inputs, pass_)

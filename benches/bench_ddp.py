@@ -26,48 +26,35 @@ so its table, the history and the regression gate see the real step time.
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from systems.accounting import flops
+from systems.bench.schema import DDP_BASELINES, DDP_TIMINGS, DDP_VARIANTS, POINT, DDPPoint, seconds_key
 from systems.bench.timing import record_throughput, record_timings
-from systems.parallel.train import OPTIMIZERS, PHASES, TrainSpec, train
+from systems.parallel.train import OPTIMIZERS, TrainSpec, train
 from systems.model import get_config
-from systems.precision import Precision, get_precision
+from systems.precision import get_precision
 
 TORCH_DDP_BUCKET_MB = 25.0  # torch's default bucket_cap_mb
 SHARDED_BUCKET_MB = 25.0  # the sharded-optimizer points all train with DDPBucketed at this size
 BACKEND = "nccl" if torch.cuda.is_available() else "gloo"
+UNBUCKETED = tuple(variant for variant in DDP_VARIANTS if variant not in (*DDP_BASELINES, "bucketed"))
 _step_seconds: dict[tuple, float] = {}  # (variant, precision, context, world size) -> step seconds
 
 
-@dataclass(frozen=True)
-class StepPoint:
-    variant: str
-    bucket_size_mb: float | None
-    precision: Precision
-    context: int
-    world_size: int
-
-    def __str__(self) -> str:
-        bucket = f"-{self.bucket_size_mb:g}MiB" if self.variant == "bucketed" else ""
-        return f"{self.variant}{bucket}-{self.precision.name}-ctx{self.context}-{self.world_size}ranks"
-
-
-def step_grid(config) -> list[StepPoint]:
+def step_grid(config) -> list[DDPPoint]:
     """Per precision and context: one process first, then torch DDP, then the variants and the sweep."""
     opt = config.getoption
     points = []
     for precision in map(get_precision, opt("precisions")):
         for context in opt("contexts"):
-            points.append(StepPoint("single", None, precision, context, 1))
+            points.append(DDPPoint("single", None, precision, context, 1))
             for world_size in (n for n in opt("world_sizes") if n > 1):
-                points.append(StepPoint("torch", TORCH_DDP_BUCKET_MB, precision, context, world_size))
-                points += [StepPoint(variant, None, precision, context, world_size)
-                           for variant in ("naive", "flat", "individual")]
-                points += [StepPoint("bucketed", size, precision, context, world_size)
+                points.append(DDPPoint("torch", TORCH_DDP_BUCKET_MB, precision, context, world_size))
+                points += [DDPPoint(variant, None, precision, context, world_size) for variant in UNBUCKETED]
+                points += [DDPPoint("bucketed", size, precision, context, world_size)
                            for size in opt("bucket_sizes_mb")]
     return points
 
@@ -108,17 +95,16 @@ def test_ddp_step(benchmark, point, rank_pools, request, device, skip_on_oom):
     benchmark.group = f"ddp-step-{point.precision.name}-ctx{point.context}"
     spec = spec_for(request, variant=point.variant, bucket_size_mb=point.bucket_size_mb,
                     precision=point.precision.name, context=point.context)
+    info = benchmark.extra_info
+    info[POINT] = point.to_dict()
     with skip_on_oom:
         ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec)
-    info = benchmark.extra_info
-    info.update(preset=spec.preset, variant=point.variant, bucket_size_mb=point.bucket_size_mb,
-                precision=point.precision.name, context=point.context, batch_size_per_rank=spec.batch_size,
-                world_size=point.world_size, backend=BACKEND)
-    for phase in PHASES + ("step",):
-        info[f"{phase}_s"] = mean_of_medians(ranks, phase)
-    step = info["step_s"]
+    info.update(preset=spec.preset, batch_size_per_rank=spec.batch_size, backend=BACKEND)
+    for timing in DDP_TIMINGS:
+        info[seconds_key(timing)] = mean_of_medians(ranks, timing)
+    step = info[seconds_key("step")]
     steps = [statistics.median(rank["seconds"]["step"]) for rank in ranks]
-    info.update(step_spread_s=max(steps) - min(steps), comm_share=info["comm_wait_s"] / step,
+    info.update(step_spread_s=max(steps) - min(steps), comm_share=info[seconds_key("comm_wait")] / step,
                 tokens_per_s=point.world_size * spec.batch_size * spec.context / step)
     step_flops = flops(get_config(spec.preset, context_length=spec.context), spec.batch_size, spec.context).step
     record_throughput(benchmark, seconds=step, flops=step_flops, device=device,
@@ -147,6 +133,6 @@ def test_optimizer_memory(benchmark, optimizer, world_size, rank_pools, request,
         preset=spec.preset, optimizer=optimizer, world_size=world_size, precision=spec.precision,
         state_mb=[s / 2**20 for s in state], unsharded_state_mb=unsharded / 2**20,
         state_fraction=max(state) / unsharded, ideal_fraction=1 / world_size,
-        optimizer_s=mean_of_medians(ranks, "optimizer"), step_s=mean_of_medians(ranks, "step"),
+        **{seconds_key(timing): mean_of_medians(ranks, timing) for timing in ("optimizer", "step")},
     )
     record_memory(benchmark, ranks)

@@ -10,49 +10,38 @@ from __future__ import annotations
 
 import gc
 import pathlib
-from dataclasses import dataclass
 
 import pytest
 import torch
 
 from systems.accounting import flops
+from systems.bench.schema import MODEL_PHASES, POINT, ModelPoint
 from systems.bench.timing import record_throughput, time_on_device
 from systems.model import TransformerLM, get_config
 from systems.optim import AdamW
-from systems.precision import Precision, get_precision
+from systems.precision import get_precision
 from systems.step import backward, forward_loss, make_model, random_batch, train_step
 
-PHASES = ("forward", "backward", "forward_backward", "step")
 WARMUP_STUDY = (0, 1, 2, 5)
+SNAPSHOT_PHASES = ("forward", "step")
 
 
-@dataclass(frozen=True)
-class ModelPoint:
-    preset: str
-    context: int
-    precision: Precision
-    compile: str  # "eager", or a COMPILE_MODES key
-
-    def __str__(self) -> str:
-        return f"{self.preset}-ctx{self.context}-{self.precision.name}-{self.compile}"
-
-
-def model_grid(config) -> list[ModelPoint]:
+def model_grid(config, phases: tuple[str, ...]) -> list[ModelPoint]:
     """Presets outermost so each model is built once per weight dtype; compiled points after the eager ones."""
     opt = config.getoption
     points = []
     for preset in opt("presets"):
         for compile, contexts in (("eager", opt("contexts")), (opt("compile_mode"), opt("compile_contexts"))):
             for precision in map(get_precision, opt("precisions")):
-                points += [ModelPoint(preset, context, precision, compile) for context in contexts]
+                points += [ModelPoint(preset, context, precision, compile, phase)
+                           for context in contexts for phase in phases]
     return points
 
 
 def pytest_generate_tests(metafunc):
-    if "point" in metafunc.fixturenames:
-        metafunc.parametrize("point", model_grid(metafunc.config), ids=str)
-    if "phase" in metafunc.fixturenames:
-        metafunc.parametrize("phase", PHASES)
+    for name, phases in (("point", MODEL_PHASES), ("snapshot_point", SNAPSHOT_PHASES)):
+        if name in metafunc.fixturenames:
+            metafunc.parametrize(name, model_grid(metafunc.config, phases), ids=str)
 
 
 class ModelCache:
@@ -100,13 +89,13 @@ def models(request, device):
     torch.cuda.empty_cache()
 
 
-def run_phase(benchmark, model, phase, point, device, request) -> None:
+def run_phase(benchmark, model, point, device, request) -> None:
     """Time one phase of a training step and record its derived figures."""
     batch_size = request.config.getoption("batch_size")
     tokens, targets = random_batch(model.config, batch_size, point.context, device)
     timing = dict(device=device, warmup=request.config.getoption("warmup_steps"),
                   rounds=request.config.getoption("rounds"))
-    optimizer = AdamW(model.parameters(), lr=1e-4) if phase == "step" else None
+    optimizer = AdamW(model.parameters(), lr=1e-4) if point.phase == "step" else None
 
     def zero_grad():
         model.zero_grad(set_to_none=True)
@@ -132,17 +121,15 @@ def run_phase(benchmark, model, phase, point, device, request) -> None:
         train_step(model, optimizer, tokens, targets, point.precision)
 
     fn, setup = {"forward": (forward, None), "backward": (backward, fresh_loss),
-                 "forward_backward": (forward_backward, zero_grad), "step": (step, None)}[phase]
+                 "forward_backward": (forward_backward, zero_grad), "step": (step, None)}[point.phase]
     seconds = time_on_device(benchmark, fn, setup=setup, **timing)
     model.zero_grad(set_to_none=True)
-    benchmark.extra_info.update(
-        preset=point.preset, context=point.context, precision=point.precision.name, compile=point.compile,
-        phase=phase, batch_size=batch_size, attention=model.config.attention, parameters=model.num_parameters(),
-    )
+    benchmark.extra_info.update(batch_size=batch_size, attention=model.config.attention,
+                                parameters=model.num_parameters())
     if seconds is not None:
         benchmark.extra_info["tokens_per_s"] = batch_size * point.context / seconds
         counts = flops(model.config, batch_size, point.context)
-        phase_flops = {"forward": counts.forward, "backward": counts.backward}.get(phase, counts.step)
+        phase_flops = {"forward": counts.forward, "backward": counts.backward}.get(point.phase, counts.step)
         record_throughput(benchmark, seconds=seconds, flops=phase_flops, device=device,
                           precision=point.precision)
 
@@ -153,15 +140,16 @@ def test_warmup_study(benchmark, warmup, device, request, skip_on_oom):
     This runs first in the module, so warm-up 0 also pays for the process's first CUDA calls.
     """
     opt = request.config.getoption
-    point = ModelPoint(opt("presets")[0], opt("contexts")[0], get_precision(opt("precisions")[0]), "eager")
+    point = ModelPoint(opt("presets")[0], opt("contexts")[0], get_precision(opt("precisions")[0]), "eager",
+                       "forward_backward")
     benchmark.group = "warmup-study"
+    benchmark.extra_info[POINT] = point.to_dict()
     with skip_on_oom:
         model = build_model(point, device, opt("attention"), point.context)
         tokens, targets = random_batch(model.config, opt("batch_size"), point.context, device)
         time_on_device(benchmark, lambda: backward(forward_loss(model, tokens, targets, point.precision)),
                        device=device, warmup=warmup, rounds=opt("rounds"))
-    benchmark.extra_info.update(preset=point.preset, context=point.context, precision=point.precision.name,
-                                warmup_steps=warmup)
+    benchmark.extra_info["warmup_steps"] = warmup
 
 
 @pytest.fixture(params=WARMUP_STUDY, ids=lambda w: f"warmup{w}")
@@ -169,21 +157,22 @@ def warmup(request):
     return request.param
 
 
-def test_model(benchmark, point, phase, models, device, request, skip_on_oom):
-    benchmark.group = f"model-{phase}"
+def test_model(benchmark, point, models, device, request, skip_on_oom):
+    benchmark.group = f"model-{point.phase}"
+    benchmark.extra_info[POINT] = point.to_dict()
     with skip_on_oom:
         model = models.get(point)
-        run_phase(benchmark, model, phase, point, device, request)
+        run_phase(benchmark, model, point, device, request)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("snapshot_phase", ["forward", "step"])
-def test_memory_snapshot(point, snapshot_phase, models, device, request, skip_on_oom):
+def test_memory_snapshot(snapshot_point, models, device, request, skip_on_oom):
     """With --memory-snapshot-dir, write a CUDA memory snapshot of one forward pass and of one step."""
     out_dir = request.config.getoption("memory_snapshot_dir")
     if out_dir is None:
         pytest.skip("pass --memory-snapshot-dir DIR to write memory snapshots")
-    path = pathlib.Path(out_dir) / f"{point}-{snapshot_phase}.pickle"
+    point = snapshot_point
+    path = pathlib.Path(out_dir) / f"{point}.pickle"
     path.parent.mkdir(parents=True, exist_ok=True)
     with skip_on_oom:
         model = models.get(point)
@@ -193,7 +182,7 @@ def test_memory_snapshot(point, snapshot_phase, models, device, request, skip_on
         torch.cuda.synchronize()
         torch.cuda.memory._record_memory_history(max_entries=1_000_000)
         try:
-            if snapshot_phase == "forward":
+            if point.phase == "forward":
                 forward_loss(model, tokens, targets, point.precision)
             else:
                 train_step(model, optimizer, tokens, targets, point.precision)

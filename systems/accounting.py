@@ -364,3 +364,20 @@ class BucketedAllReduce:
 
     def optimal_bucket_bytes(self) -> float:
         return self.param_bytes / self.optimal_num_buckets()
+
+
+def fit_bucketed_allreduce(*, backward_seconds: float, param_bytes: float, world_size: int,
+                           allreduces: list[tuple[float, float]]) -> BucketedAllReduce | None:
+    """The bucket model with the latency and bus bandwidth of measured all-reduces, (bytes, seconds) on
+    `world_size` ranks: time = latency + ring bytes / busbw, a least-squares line through (ring bytes, time).
+    None without two sizes to fit, or where the times do not grow with size."""
+    ring = 2 * (world_size - 1) / world_size
+    xs, ys = [ring * nbytes for nbytes, _ in allreduces], [seconds for _, seconds in allreduces]
+    if len(set(xs)) < 2:
+        return None
+    x_mean, y_mean = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / sum((x - x_mean) ** 2 for x in xs)
+    if slope <= 0:
+        return None
+    return BucketedAllReduce(backward_seconds=backward_seconds, param_bytes=param_bytes, world_size=world_size,
+                             bandwidth=1 / slope, latency=max(0.0, y_mean - slope * x_mean))

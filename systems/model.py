@@ -17,25 +17,9 @@ import torch.nn.functional as F
 from systems import attention
 
 
-def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention written out, whose saved tensors `systems.accounting` models."""
-    # q, k, v: (batch, heads, seq, d_head)
-    seq = q.shape[-2]
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
-    scores = scores.masked_fill(~causal, float("-inf"))
-    return torch.softmax(scores, dim=-1) @ v
-
-
-def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return attention.flash_attention(q, k, v, is_causal=True)
-
-
-ATTENTION_BACKENDS = {"naive": naive_attention, "sdpa": sdpa_attention, "flash": flash_attention}
+# The systems.attention.BACKENDS a config may name: causal self-attention whose saved tensors
+# systems.accounting models.
+ATTENTION_BACKENDS = ("naive", "sdpa", "flash")
 
 
 _SIZE_FIELDS = ("d_model", "d_ff", "num_layers", "num_heads", "vocab_size", "context_length")
@@ -137,14 +121,14 @@ class CausalSelfAttention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
         self.out = nn.Linear(config.d_model, config.d_model, bias=False)
         self.rope = RotaryEmbedding(config.d_head, config.context_length, config.rope_theta)
-        self.attend = ATTENTION_BACKENDS[config.attention]
+        self.attend = attention.BACKENDS[config.attention]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, d_model = x.shape
         # (batch, seq, 3 * d_model) -> 3 x (batch, heads, seq, d_head)
         # (d_head spelled out, not -1: a batch with no tokens has no size to infer it from)
         q, k, v = self.qkv(x).view(batch, seq, 3, self.num_heads, self.d_head).permute(2, 0, 3, 1, 4)
-        y = self.attend(self.rope(q), self.rope(k), v)
+        y = self.attend(self.rope(q), self.rope(k), v, True)  # causal
         return self.out(y.transpose(1, 2).reshape(batch, seq, d_model))
 
 

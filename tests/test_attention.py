@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import subprocess
+import sys
 from dataclasses import dataclass, replace
 
 import pytest
@@ -41,6 +45,7 @@ LAYOUTS = ("contiguous", "sliced", "transposed")
 # "negative" puts every score far below 0 (L ≪ 0: exp(0 - L) overflows, as at a padded key).
 SCORES = ("normal", "large", "growing", "mixed", "negative")
 GROWTH = 200.0
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @dataclass(frozen=True)
@@ -172,7 +177,7 @@ def rounding_floor(q, k, v, do, expected: dict[str, torch.Tensor], is_causal: bo
 
 @pytest.fixture(scope="module")
 def flash_triton():
-    return pytest.importorskip("systems.attention.triton_kernels", reason="needs Triton").FlashAttentionTriton
+    return pytest.importorskip("systems.attention.triton_launch", reason="needs Triton").FlashAttentionTriton
 
 
 @settings(deadline=None)
@@ -240,35 +245,75 @@ def test_compiled_triton_attention_takes_new_shapes_without_graph_breaks(flash_t
             torch.testing.assert_close(t.grad, eager_t.grad, rtol=0, atol=0)
 
 
-def test_triton_second_call_of_a_shape_uses_the_remembered_tiles(flash_triton, device, monkeypatch):
-    """A shape's first call goes through the autotuner; later ones launch its choice directly, and
-    must compute the same attention."""
-    from systems.attention import triton_kernels
+def test_triton_times_the_candidate_tiles_once_per_shape(flash_triton, device, monkeypatch):
+    """Where several tiles may run, a shape's first call times each and launches the fastest; later calls launch
+    that one without timing again, and compute the same attention."""
+    from systems.attention import triton_launch
 
-    monkeypatch.setattr(triton_kernels, "_chosen", {})
+    fastest = (16, 16, 4, 1)  # one candidate of every kernel, the others small enough for the interpreter
+    candidates = {"fwd": [(32, 16, 4, 1), fastest], "dkdv": [(16, 32, 4, 1), fastest], "dq": [(32, 16, 4, 1), fastest]}
+    timed, launched = [], []
+
+    def median_ms(run, tile):
+        run(tile)  # each candidate must launch
+        timed.append(tile)
+        return 1.0 if tile == fastest else 2.0
+
+    class LaunchSpy:
+        def __init__(self, name, kernel):
+            self.name, self.kernel = name, kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append((self.name, kwargs["BLOCK_M"], kwargs["BLOCK_N"]))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(triton_launch, "_tiles", lambda name, longest_seq: candidates[name])
+    monkeypatch.setattr(triton_launch, "_median_ms", median_ms)
+    monkeypatch.setattr(triton_launch, "_chosen", {})
+    for name, kernel in triton_launch.KERNELS.items():
+        monkeypatch.setitem(triton_launch.KERNELS, name, LaunchSpy(name, kernel))
     case = Case(2, 3, 40, 56, 32, True, torch.float32, "sliced", 5)
     check_against_reference(flash_triton.apply, case, device)
-    assert sorted(key[0] for key in triton_kernels._chosen) == ["dkdv", "dq", "fwd"]
-    for short, _ in triton_kernels._KERNELS.values():  # the shape is short: these ran the first call
-        monkeypatch.setattr(short, "run", lambda *args, **kwargs: pytest.fail("the autotuner ran again"))
+    assert sorted(timed) == sorted(tile for tiles in candidates.values() for tile in tiles)
+    assert sorted(triton_launch._chosen.values()) == [fastest] * 3
+    timed.clear()
+    launched.clear()
     check_against_reference(flash_triton.apply, case, device)
+    assert timed == [] and sorted(launched) == [("dkdv", 16, 16), ("dq", 16, 16), ("fwd", 16, 16)]
+
+
+def test_triton_launches_as_triton_defined_the_kernels():
+    """Triton chooses between compiling a kernel and interpreting it when it defines it, from TRITON_INTERPRET as
+    it is then: kernels defined for a GPU refuse CPU tensors with a clear error, whatever the variable says later."""
+    pytest.importorskip("triton")
+    code = ("import os, torch; from systems.attention.triton_launch import FlashAttentionTriton; "
+            "os.environ['TRITON_INTERPRET'] = '1'; q = torch.randn(1, 8, 16); "
+            "FlashAttentionTriton.apply(q, q, q, False)")
+    env = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    ran = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert ran.returncode != 0 and "ValueError: FlashAttentionTriton needs CUDA tensors" in ran.stderr, ran.stderr
 
 
 @pytest.mark.parametrize("is_causal", [True, False])
 def test_triton_splits_the_keys_when_the_grid_is_too_small(flash_triton, device, is_causal, monkeypatch):
     """One short query tile against many keys: the forward splits the keys over programs and merges them."""
-    from systems.attention import triton_kernels
+    from systems.attention import triton_launch
 
-    merge, merged = triton_kernels._fwd_merge_kernel, []
+    merge, merged = triton_launch.fwd_merge_kernel, []
 
     class MergeSpy:
         def __getitem__(self, grid):
             merged.append(grid)
             return merge[grid]
 
-    monkeypatch.setattr(triton_kernels, "_fwd_merge_kernel", MergeSpy())
-    n_keys = 4 * triton_kernels.MIN_KEYS_PER_SPLIT + 5
-    assert triton_kernels._key_splits(1, 1, 40, n_keys, device) == 4
+    monkeypatch.setattr(triton_launch, "fwd_merge_kernel", MergeSpy())
+    interpreted = triton_launch.interpreted()
+    min_keys = triton_launch.INTERPRETED_MIN_KEYS_PER_SPLIT if interpreted else triton_launch.MIN_KEYS_PER_SPLIT
+    n_keys = 4 * min_keys + 5
+    assert triton_launch._key_splits(1, 1, 40, n_keys, device) == 4
     check_against_reference(flash_triton.apply, Case(1, None, 40, n_keys, 32, is_causal, torch.float32, "sliced", 7),
                             device)
     assert len(merged) == 1  # the forward took the split path
@@ -277,14 +322,14 @@ def test_triton_splits_the_keys_when_the_grid_is_too_small(flash_triton, device,
 @pytest.mark.parametrize("interleave", [True, False])
 def test_triton_launch_orders_agree(flash_triton, device, interleave, monkeypatch):
     """Programs launched sequence by sequence, or with the sequences interleaved, compute the same attention."""
-    from systems.attention import triton_kernels
+    from systems.attention import triton_launch
 
     multiple = 2**40 if interleave else 0
-    monkeypatch.setattr(triton_kernels, "L2_MULTIPLE_TO_INTERLEAVE", {"forward": multiple, "backward": multiple})
+    monkeypatch.setattr(triton_launch, "L2_MULTIPLE_TO_INTERLEAVE", {"forward": multiple, "backward": multiple})
     q = torch.empty(3, 2, 72, 24, device=device)  # (batch, heads, seq, d)
-    shape = triton_kernels._shape_args(q, q, "forward")
+    shape = triton_launch._shape_args(q, q, "forward")
     assert shape["INTERLEAVE"] is interleave
-    assert triton_kernels._grid(shape, lambda meta: 7)({}) == ((2, 3, 7) if interleave else (7, 2, 3))
+    assert triton_launch._grid(shape, lambda meta: 7)({}) == ((2, 3, 7) if interleave else (7, 2, 3))
     check_against_reference(flash_triton.apply, Case(3, 2, 72, 90, 24, True, torch.float32, "sliced", 11), device)
 
 
@@ -342,10 +387,10 @@ def test_triton_rejects_what_its_kernels_cannot_run(flash_triton, monkeypatch):
         flash_triton.apply(q, q, q, False)
     with pytest.raises(TypeError, match="is_causal must be a bool"):
         flash_triton.apply(q[..., :16], q[..., :16], q[..., :16], 1)
-    monkeypatch.setattr("systems.attention.triton_kernels.INTERPRETING", True)
+    monkeypatch.setattr("systems.attention.triton_launch.interpreted", lambda: True)
     with pytest.raises(TypeError, match="cannot run bfloat16 under TRITON_INTERPRET=1"):
         flash_triton.apply(*[q[..., :16].bfloat16()] * 3, False)
-    monkeypatch.setattr("systems.attention.triton_kernels.INTERPRETING", False)
+    monkeypatch.setattr("systems.attention.triton_launch.interpreted", lambda: False)
     with pytest.raises(ValueError, match="needs CUDA tensors"):
         flash_triton.apply(q[..., :16], q[..., :16], q[..., :16], False)
 

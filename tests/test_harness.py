@@ -10,7 +10,8 @@ import torch
 from hypothesis import settings
 
 import conftest
-from systems.bench.timing import ATTENTION_IMPLS, device_info
+from systems.attention import BENCHED_BACKENDS
+from systems.bench.timing import device_info
 from systems.parallel.ranks import BACKENDS
 from systems.model import ATTENTION_BACKENDS, PRESETS
 from systems.precision import DTYPES, PRECISIONS
@@ -64,7 +65,7 @@ def choices(names) -> str:
 
 
 @pytest.mark.parametrize("option, message", [
-    ("--attn-impls=naive,tritno", f"--attn-impls: unknown 'tritno'; {choices(ATTENTION_IMPLS)}"),
+    ("--attn-impls=naive,tritno", f"--attn-impls: unknown 'tritno'; {choices(BENCHED_BACKENDS)}"),
     ("--attn-precisions=fp8", f"--attn-precisions: unknown 'fp8'; {choices(DTYPES)}"),
     ("--precisions=fp32,fp8", f"--precisions: unknown 'fp8'; {choices(PRECISIONS)}"),
     ("--presets=huge", f"--presets: unknown 'huge'; {choices(PRESETS)}"),
@@ -96,7 +97,7 @@ def test_a_bad_grid_option_is_a_usage_error_at_start_up(inner_pytest, option, me
 def test_good_grid_options_collect(inner_pytest):
     """Guards the test above against a check that refuses everything."""
     inner_pytest.makepyfile(test_nothing="def test_nothing(): pass")
-    ran = inner_pytest.runpytest("--presets=all", "--compile-contexts=", "--attn-impls=" + ",".join(ATTENTION_IMPLS),
+    ran = inner_pytest.runpytest("--presets=all", "--compile-contexts=", "--attn-impls=" + ",".join(BENCHED_BACKENDS),
                                  "--warmup-steps=0", "--bucket-sizes-mb=0.5,100", "--collect-only",
                                  "-p", "no:cacheprovider", plugins=[conftest])
     assert ran.ret == pytest.ExitCode.OK, ran.stderr.str()

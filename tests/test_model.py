@@ -3,8 +3,9 @@ import math
 import pytest
 import torch
 
+from systems.attention import BACKENDS, naive_attention
 from systems.model import (ATTENTION_BACKENDS, PRESETS, RMSNorm, RotaryEmbedding, SwiGLU, TransformerBlock,
-                           TransformerLM, check_token_ids, cross_entropy, get_config, naive_attention)
+                           TransformerLM, check_token_ids, cross_entropy, get_config)
 from systems.optim import AdamW
 from systems.precision import PRECISIONS
 from systems.step import random_batch, train_step
@@ -53,7 +54,7 @@ def test_causality(tiny):
 @pytest.mark.parametrize("backend", sorted(set(ATTENTION_BACKENDS) - {"naive", "flash"}))
 def test_attention_backends_match_naive(backend):
     q, k, v = (torch.randn(2, 3, 37, 16, dtype=torch.float64) for _ in range(3))
-    torch.testing.assert_close(ATTENTION_BACKENDS[backend](q, k, v), naive_attention(q, k, v))
+    torch.testing.assert_close(BACKENDS[backend](q, k, v, True), naive_attention(q, k, v, True))
 
 
 def test_naive_attention_matches_explicit_loops():
@@ -62,7 +63,7 @@ def test_naive_attention_matches_explicit_loops():
     for i in range(5):
         weights = torch.softmax(torch.stack([q[0, 0, i] @ k[0, 0, j] for j in range(i + 1)]) / 2.0, dim=0)
         expected[0, 0, i] = sum(w * v[0, 0, j] for j, w in enumerate(weights))
-    torch.testing.assert_close(naive_attention(q, k, v), expected)
+    torch.testing.assert_close(naive_attention(q, k, v, True), expected)
 
 
 def rmsnorm_formula(x, weight, eps=1e-5):

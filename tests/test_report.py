@@ -1,5 +1,6 @@
 """The report: tables and plots from benchmark histories, a comparison of two runs, and bad histories."""
 
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -9,12 +10,18 @@ import matplotlib.image
 import pytest
 
 from systems.accounting import BucketedAllReduce, count_parameters, peak_memory
+from systems.bench.schema import POINT, AllReducePoint, AttentionPoint, DDPPoint, ModelPoint, read_point
 from systems.model import get_config
 from systems.precision import PRECISIONS
 from systems.report import main
+from systems.report.runs import load_run
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MACHINE = "Linux-CPython-3.12-64bit"
+FP32, BF16 = PRECISIONS["fp32"], PRECISIONS["bf16"]
+# The tests whose benchmarks hold a point, and its class.
+POINTS = {"test_model": ModelPoint, "test_warmup_study": ModelPoint, "test_handout_sweep": AttentionPoint,
+          "test_flash_sweep": AttentionPoint, "test_allreduce": AllReducePoint, "test_ddp_step": DDPPoint}
 
 
 def bench(fullname: str, mean: float, params: dict | None = None, **extra) -> dict:
@@ -28,17 +35,37 @@ def bench(fullname: str, mean: float, params: dict | None = None, **extra) -> di
                       "iterations": 1}}
 
 
-def save_run(storage: pathlib.Path, number: int, benchmarks: list[dict], oom: tuple[str, ...] = (),
-             machine: str = MACHINE, stamp: str = "20260101_120000") -> pathlib.Path:
+def save_run(storage: pathlib.Path, number: int, benchmarks: list[dict], oom: tuple[tuple, ...] = (),
+             machine: str = MACHINE, stamp: str = "20260101_120000", form: str = "old") -> pathlib.Path:
+    """A history as saved before benchmarks held their points (`form` "old": a point's fields among the figures,
+    an out-of-memory point as its test id only), or since ("new")."""
     path = storage / machine / f"{number:04d}_abc123_{stamp}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
+    out_of_memory = [{"name": f"{test.split('::')[1]}[{point}]", "fullname": f"{test}[{point}]",
+                      "error": "CUDA out of memory"} | ({POINT: point.to_dict()} if form == "new" else {})
+                     for test, point in oom]
     history = {"machine_info": {"machine": "x86_64", "systems_lab": {"gpu": "NVIDIA H100 80GB HBM3", "gpu_count": 1,
                                                                        "torch": "2.11.0"}},
-               "commit_info": {"id": "abc123"}, "benchmarks": benchmarks, "datetime": "2026-01-01T12:00:00",
-               "version": "5.2.3",
-               "out_of_memory": [{"name": f.split("::")[1], "fullname": f, "error": "CUDA out of memory"} for f in oom]}
+               "commit_info": {"id": "abc123"}, "benchmarks": [new_form(b) for b in benchmarks] if form == "new"
+               else benchmarks, "datetime": "2026-01-01T12:00:00", "version": "5.2.3", "out_of_memory": out_of_memory}
     path.write_text(json.dumps(history))
     return path
+
+
+def new_form(bench: dict) -> dict:
+    """An old-form benchmark as the benches save it now: its point whole in extra_info["point"], not among the
+    figures."""
+    test = bench["name"].split("[")[0]
+    extra_info = bench["extra_info"]
+    if test.startswith("test_leaderboard"):
+        point = AttentionPoint("leaderboard", "triton", 16, 16384, 64, BF16, True, bench["params"]["pass_"])
+    elif test in POINTS:
+        study = {"compile": "eager", "phase": "forward_backward"} if test == "test_warmup_study" else {}
+        point = POINTS[test].from_dict({**extra_info, **study})
+    else:
+        return bench
+    figures = {k: v for k, v in extra_info.items() if k not in point.to_dict()}
+    return {**bench, "extra_info": {POINT: point.to_dict(), **figures}}
 
 
 def model_benchmarks(scale: float = 1.0) -> list[dict]:
@@ -77,9 +104,11 @@ def attention_benchmarks() -> list[dict]:
     return out
 
 
-OOM = ("benches/bench_attention.py::test_handout_sweep[naive-seq16384-d16-fp32-forward]",
-       "benches/bench_attention.py::test_flash_sweep[naive-seq1024-d128-bf16-forward]",
-       "benches/bench_ddp.py::test_ddp_step[bucketed-100MiB-fp32-ctx128-2ranks]")
+OOM = (("benches/bench_attention.py::test_handout_sweep",
+        AttentionPoint("handout", "naive", 8, 16384, 16, FP32, False, "forward")),
+       ("benches/bench_attention.py::test_flash_sweep", AttentionPoint("flash", "naive", 1, 1024, 128, BF16, True,
+                                                                      "forward")),
+       ("benches/bench_ddp.py::test_ddp_step", DDPPoint("bucketed", 100.0, FP32, 128, 2)))
 
 
 def distributed_benchmarks() -> list[dict]:
@@ -163,6 +192,62 @@ def test_every_deliverable_gets_its_table_and_plots(tmp_path):
         image = matplotlib.image.imread(out / f"{name}.png")
         assert image.shape[0] > 100 and image.shape[1] > 100 and image.std() > 0
         assert f"({name}.png)" in (out / "report.md").read_text()
+
+
+def test_new_histories_give_the_tables_of_old_ones(tmp_path):
+    """The same run saved as the benches save it now and as they did before points were saved whole."""
+    everything = model_benchmarks() + attention_benchmarks() + distributed_benchmarks()
+    tables = {}
+    for form in ("old", "new"):
+        save_run(tmp_path / form, 1, everything, oom=OOM, form=form)
+        assert main(["--storage", str(tmp_path / form), "--out", str(tmp_path / f"{form}-report")]) == 0
+        tables[form] = {path.name: path.read_text() for path in (tmp_path / f"{form}-report").glob("*.md")
+                        if path.name != "report.md"}
+    assert len(tables["new"]) == 12 and tables["new"] == tables["old"]
+    assert "OOM" in tables["new"]["ddp.md"] and "OOM" in tables["new"]["attention_flash.md"]
+
+
+@pytest.mark.parametrize("test, point", OOM + (
+    ("benches/bench_model.py::test_model", ModelPoint("2.7b", 1024, PRECISIONS["bf16-weights"], "regional", "step")),
+    ("benches/bench_allreduce.py::test_allreduce", AllReducePoint("nccl", 8, 1.0)),
+    ("benches/bench_allreduce.py::test_allreduce", AllReducePoint("gloo", 2, 0.5)),
+    ("benches/bench_ddp.py::test_ddp_step", DDPPoint("individual", None, BF16, 512, 4)),
+), ids=lambda x: str(x).split("::")[-1])
+def test_a_point_reads_back_whole_from_its_record_and_from_its_old_test_id(tmp_path, test, point):
+    record = json.loads(json.dumps(point.to_dict()))
+    back = read_point(record)
+    assert back == point
+    assert all(type(getattr(back, f.name)) is type(getattr(point, f.name)) for f in dataclasses.fields(point))
+    module, name = pathlib.Path(test.split("::")[0]).stem, test.split("::")[1]
+    for form in ("old", "new"):
+        run = load_run(save_run(tmp_path / form, 1, [], oom=((test, point),), form=form))
+        assert [oom.point for oom in run.out_of_memory] == [point]
+        assert [{k: type(v) for k, v in fields.items()} for fields in run.oom(module, name)] == [
+            {k: type(v) for k, v in record.items()}]
+
+
+def test_out_of_memory_points_are_read_from_their_record_not_their_id(tmp_path):
+    """An out-of-memory entry names its point whole: its test id need not spell it."""
+    point = ModelPoint("small", 256, BF16, "eager", "step")
+    entry = {"name": "test_model[renamed]", "fullname": "benches/bench_model.py::test_model[renamed]",
+             "error": "CUDA out of memory", POINT: point.to_dict()}
+    result = new_form(model_benchmarks()[0])
+    path = save_run(tmp_path / "storage", 1, [result])
+    history = json.loads(path.read_text())
+    path.write_text(json.dumps({**history, "out_of_memory": [entry]}))
+    code, out = report(tmp_path)
+    assert code == 0
+    assert table_rows(out / "model.md")[-1] == ["small", "256", "bf16", "eager", "", "OOM"]
+
+
+@pytest.mark.parametrize("broken", [{"context": "many"}, {"precision": "fp8"}, {"kind": "fsdp"}, {"phase": None}],
+                         ids=["context-not-a-number", "unknown-precision", "unknown-kind", "phase-missing"])
+def test_a_broken_point_is_a_bad_history(tmp_path, capsys, broken):
+    result = new_form(model_benchmarks()[0])
+    record = {k: v for k, v in {**result["extra_info"][POINT], **broken}.items() if v is not None}
+    save_run(tmp_path / "storage", 1, [{**result, "extra_info": {**result["extra_info"], POINT: record}}])
+    code, _ = report(tmp_path)
+    assert code == 2 and "is not a pytest-benchmark history" in capsys.readouterr().err
 
 
 def test_bucket_sweep_shows_the_bucket_model(tmp_path):
@@ -317,16 +402,20 @@ BENCH = """
 import pytest
 import torch
 
-POINTS = [(context, phase) for context in (64, 128, 256) for phase in ("forward", "step")]
+from systems.bench.schema import POINT, ModelPoint
+from systems.precision import PRECISIONS
 
-@pytest.mark.parametrize("context, phase", POINTS, ids=[f"tiny-ctx{c}-fp32-eager-{p}" for c, p in POINTS])
-def test_model(benchmark, skip_on_oom, context, phase):
+POINTS = [ModelPoint("tiny", context, PRECISIONS["fp32"], "eager", phase)
+          for context in (64, 128, 256) for phase in ("forward", "step")]
+
+@pytest.mark.parametrize("point", POINTS, ids=str)
+def test_model(benchmark, skip_on_oom, point):
+    benchmark.extra_info[POINT] = point.to_dict()
     with skip_on_oom:
-        if context == 256 and phase == "step":
+        if point.context == 256 and point.phase == "step":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        benchmark.pedantic(sum, args=(range(context),), rounds=3)
-    benchmark.extra_info.update(preset="tiny", context=context, precision="fp32", compile="eager", phase=phase,
-                                batch_size=4, tflops=float(context))
+        benchmark.pedantic(sum, args=(range(point.context),), rounds=3)
+    benchmark.extra_info.update(batch_size=4, tflops=float(point.context))
 """
 
 
@@ -338,6 +427,10 @@ def test_report_of_a_real_benchmark_run(inner_pytest, tmp_path):
     ran = inner_pytest.runpytest_subprocess("benches/bench_model.py", "-p", "no:cacheprovider", "-o",
                                             "python_files=bench_*.py", "--benchmark-autosave")
     ran.assert_outcomes(passed=5, skipped=1)
+    [history] = (inner_pytest.path / ".benchmarks").glob("*/*.json")
+    [oom] = json.loads(history.read_text())["out_of_memory"]
+    assert oom[POINT] == {"kind": "model", "preset": "tiny", "context": 256, "precision": "fp32", "compile": "eager",
+                          "phase": "step"}
     assert main(["--storage", str(inner_pytest.path / ".benchmarks"), "--out", str(tmp_path)]) == 0
     rows = table_rows(tmp_path / "model.md")
     assert [row[:4] for row in rows] == [["tiny", str(c), "fp32", "eager"] for c in (64, 128, 256)]

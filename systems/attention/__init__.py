@@ -1,30 +1,21 @@
-"""FlashAttention-2 three ways: written out, tiled in PyTorch, and as Triton kernels.
+"""Attention by name (`BACKENDS`), and FlashAttention-2 three ways: written out, tiled in PyTorch, in Triton.
 
-`FlashAttentionTriton` is imported on first use, so that this package imports where Triton is absent and
-the kernels are defined only after the harness has decided on TRITON_INTERPRET.
+`FlashAttentionTriton` is imported on first use, so that this package imports where Triton is not installed.
 """
 
 from __future__ import annotations
 
-import torch
-
+from systems.attention.backends import BACKENDS, BENCHED_BACKENDS, flash_attention, sdpa_attention
 from systems.attention.pytorch import FlashAttentionPytorch
-from systems.attention.reference import attention_reference
+from systems.attention.reference import attention_reference, naive_attention
 
-__all__ = ["FlashAttentionPytorch", "FlashAttentionTriton", "attention_reference", "flash_attention"]
+__all__ = ["BACKENDS", "BENCHED_BACKENDS", "FlashAttentionPytorch", "FlashAttentionTriton", "attention_reference",
+           "flash_attention", "naive_attention", "sdpa_attention"]
 
 
 def __getattr__(name: str):
     if name == "FlashAttentionTriton":
-        from systems.attention.triton_kernels import FlashAttentionTriton
+        from systems.attention.triton_launch import FlashAttentionTriton
 
         return FlashAttentionTriton
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
-    """Differentiable FlashAttention-2: the Triton kernels on CUDA, the tiled PyTorch version elsewhere."""
-    # q: (batch, [heads,] n_queries, d), k and v: (batch, [heads,] n_keys, d)
-    if q.device.type == "cuda":
-        return __getattr__("FlashAttentionTriton").apply(q, k, v, is_causal)
-    return FlashAttentionPytorch.apply(q, k, v, is_causal)

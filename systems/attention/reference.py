@@ -1,4 +1,5 @@
-"""Attention written out, and the input contract every implementation enforces."""
+"""Attention written out, once: the model, the benchmarks and the tests' reference all use it; and the input
+contract every implementation enforces."""
 
 from __future__ import annotations
 
@@ -9,21 +10,35 @@ import torch
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """softmax(q kᵀ/√d) v and the row log-sum-exp of the scaled scores, in the inputs' dtype.
+def naive_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+    """softmax(q kᵀ/√d) v with every score held: the model's "naive" backend (`systems.accounting` models what
+    it saves for the backward) and the benchmarks' baseline.
 
     q: (batch, [heads,] n_queries, d), k and v: (batch, [heads,] n_keys, d). With `is_causal`, query i sees
-    keys j <= i. float64 is accepted as well, for computing the expected values of tests.
+    keys j <= i.
+    """
+    return torch.softmax(_scores(q, k, is_causal), dim=-1) @ v
+
+
+def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        is_causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """`naive_attention` and the row log-sum-exp of its scaled scores, in the inputs' dtype, inputs checked.
+
+    float64 is accepted as well, for computing the expected values of tests. The scores are computed a second
+    time for the log-sum-exp, so that the output is exactly the model's written-out attention.
     """
     check_inputs(q, k, v, is_causal, dtypes=SUPPORTED_DTYPES + (torch.float64,))
-    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])  # (..., n_queries, n_keys)
+    return naive_attention(q, k, v, is_causal), torch.logsumexp(_scores(q, k, is_causal), dim=-1)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, is_causal: bool) -> torch.Tensor:
+    """q kᵀ/√d, -inf where a causal query may not see a key: (..., n_queries, n_keys)."""
+    scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
     if is_causal:
         n_queries, n_keys = scores.shape[-2:]
         visible = torch.ones(n_queries, n_keys, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~visible, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)  # (..., n_queries)
-    return torch.exp(scores - lse.unsqueeze(-1)) @ v, lse
+    return scores
 
 
 def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,

@@ -19,11 +19,6 @@ PEAK_TFLOPS = {
     "A100": {"bf16": 312.0, "fp16": 312.0, "tf32": 156.0, "fp32": 19.5},
 }
 
-# The attention implementations the benchmarks time: the naive one as written, torch.compile'd, in tiled
-# PyTorch (FlashAttentionPytorch), in Triton (FlashAttentionTriton), and PyTorch's SDPA.
-ATTENTION_IMPLS = ("naive", "compiled", "pytorch", "triton", "sdpa")
-
-
 def peak_tflops(device: torch.device, precision: Precision) -> float | None:
     """The peak of the precision's matmuls on `device`; None off-GPU or on a GPU without a listed peak."""
     if device.type != "cuda":

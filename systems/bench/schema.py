@@ -1,0 +1,138 @@
+"""Benchmark points: one dataclass per kind, the one definition of what a point is.
+
+A point names its test id (`str(point)`; saved histories are keyed by these ids, so they never change) and is
+saved whole in its benchmark's `extra_info["point"]`, and in the history's out-of-memory list when it ran out
+of memory, as `point.to_dict()`. The report reads it back with `read_point`. The names the benches and the
+report share (phases, passes, DDP variants, timing keys) are defined here or imported from where they are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass
+from typing import ClassVar
+
+from systems.parallel.train import PHASES as DDP_PHASES
+from systems.parallel.train import VARIANTS
+from systems.precision import Precision, get_precision
+
+POINT = "point"  # the extra_info key that holds the point
+MODEL_PHASES = ("forward", "backward", "forward_backward", "step")
+ATTENTION_PASSES = ("forward", "backward", "forward_backward")
+DDP_TIMINGS = ("step", *DDP_PHASES)  # each saved in seconds under seconds_key(name)
+# One process and torch's DistributedDataParallel come first, in grids and tables: the others compare with them.
+DDP_BASELINES = ("single", "torch")
+DDP_VARIANTS = (*DDP_BASELINES, *(variant for variant in VARIANTS if variant not in DDP_BASELINES))
+
+
+def seconds_key(timing: str) -> str:
+    return f"{timing}_s"
+
+
+class Point:
+    """What the point dataclasses share: their record, and reading it back with the fields' own types."""
+
+    kind: ClassVar[str]
+
+    def to_dict(self) -> dict:
+        """The kind and every field, a precision by its name. A field named after a Python keyword carries a
+        trailing underscore (`pass_`); its key is the word."""
+        record = {"kind": self.kind}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            record[f.name.removesuffix("_")] = value.name if isinstance(value, Precision) else value
+        return record
+
+    @classmethod
+    def from_dict(cls, record: dict) -> Point:
+        """The point of a record, each field converted to its declared type (JSON and test ids give numbers as
+        text or as ints where the field is a float). A missing field is a KeyError."""
+        hints = typing.get_type_hints(cls)
+        return cls(**{f.name: _typed(hints[f.name], record[f.name.removesuffix("_")]) for f in dataclasses.fields(cls)})
+
+
+def _typed(hint, value):
+    if value is None:
+        return None
+    if hint is Precision:
+        return get_precision(value)
+    kind = next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))  # float | None -> float
+    if kind is bool and not isinstance(value, bool):
+        raise TypeError(f"{value!r} is not a bool")
+    return kind(value)
+
+
+@dataclass(frozen=True)
+class ModelPoint(Point):
+    kind: ClassVar[str] = "model"
+    preset: str
+    context: int
+    precision: Precision
+    compile: str  # "eager", or a --compile-mode
+    phase: str  # one of MODEL_PHASES
+
+    def __str__(self) -> str:
+        return f"{self.preset}-ctx{self.context}-{self.precision.name}-{self.compile}-{self.phase}"
+
+
+@dataclass(frozen=True)
+class AttentionSweep:
+    batch: int
+    is_causal: bool
+    passes: tuple[str, ...]
+
+
+# The CS336 handout's sweep: batch 8, no mask, forward and backward timed apart. The FlashAttention sweep: batch 1,
+# causal. Both one head.
+ATTENTION_SWEEPS = {"handout": AttentionSweep(8, False, ATTENTION_PASSES[:2]),
+                    "flash": AttentionSweep(1, True, ATTENTION_PASSES)}
+
+
+@dataclass(frozen=True)
+class AttentionPoint(Point):
+    kind: ClassVar[str] = "attention"
+    sweep: str  # an ATTENTION_SWEEPS key, or "leaderboard"
+    impl: str
+    batch: int
+    seq: int
+    d: int
+    precision: Precision  # one of systems.precision.DTYPES
+    is_causal: bool
+    pass_: str  # one of ATTENTION_PASSES
+
+    def __str__(self) -> str:
+        return f"{self.impl}-seq{self.seq}-d{self.d}-{self.precision.name}-{self.pass_}"
+
+
+@dataclass(frozen=True)
+class AllReducePoint(Point):
+    kind: ClassVar[str] = "allreduce"
+    backend: str
+    world_size: int
+    size_mb: float
+
+    def __str__(self) -> str:
+        return f"{self.backend}-{self.world_size}ranks-{self.size_mb:g}MiB"
+
+
+@dataclass(frozen=True)
+class DDPPoint(Point):
+    kind: ClassVar[str] = "ddp"
+    variant: str  # one of DDP_VARIANTS
+    bucket_size_mb: float | None  # DDPBucketed's, and torch DDP's bucket_cap_mb
+    precision: Precision
+    context: int
+    world_size: int
+
+    def __str__(self) -> str:
+        bucket = f"-{self.bucket_size_mb:g}MiB" if self.variant == "bucketed" else ""
+        return f"{self.variant}{bucket}-{self.precision.name}-ctx{self.context}-{self.world_size}ranks"
+
+
+KINDS = {cls.kind: cls for cls in (ModelPoint, AttentionPoint, AllReducePoint, DDPPoint)}
+
+
+def read_point(record: dict) -> Point:
+    """The point a `to_dict` record holds."""
+    return KINDS[record["kind"]].from_dict(record)

@@ -1,0 +1,105 @@
+"""The report's plots: log-log lines of time and throughput against size, one PNG per figure."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+from systems.bench.schema import MODEL_PHASES, seconds_key
+from systems.report.markdown import order
+from systems.report.runs import Result, Run
+
+Series = dict[str, list[tuple[float, float]]]  # label -> (x, y) points
+
+
+def build_plots(run: Run, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figures = []
+    model = run.select("bench_model", "test_model")
+    for phase in MODEL_PHASES:
+        figures.append((f"model_{phase}", f"Model, {phase}", "context length", _panels(
+            [r for r in model if r.get("phase") == phase], "context",
+            lambda r: f"{r.get('preset')} {r.get('precision')} {r.get('compile')}",
+            [("ms", lambda r: r.mean * 1e3), ("TFLOP/s", lambda r: r.get("tflops"))])))
+    attention = (run.select("bench_attention", "test_handout_sweep")
+                 + run.select("bench_attention", "test_flash_sweep"))
+    for sweep, pass_, precision in sorted({(r.get("sweep"), r.get("pass"), r.get("precision")) for r in attention},
+                                          key=str):
+        # One column per head dim, time above TFLOP/s, one line per implementation: a whole grid in one line
+        # per (implementation, d, precision) would be unreadable.
+        points = [r for r in attention if (r.get("sweep"), r.get("pass"), r.get("precision")) == (sweep, pass_, precision)]
+        dims = sorted({r.get("d") for r in points}, key=order)
+        panels = [panel for ylabel, y in (("ms", lambda r: r.mean * 1e3), ("TFLOP/s", lambda r: r.get("tflops")))
+                  for d in dims
+                  for panel in _panels([r for r in points if r.get("d") == d], "seq", lambda r: r.get("impl"),
+                                       [(f"{ylabel}, d={d}", y)])]
+        figures.append((f"attention_{sweep}_{pass_}_{precision}", f"Attention, {sweep} sweep, {pass_}, {precision}",
+                        "sequence length", panels, len(dims)))
+    figures.append(("allreduce_bandwidth", "All-reduce", "MiB", _panels(
+        run.select("bench_allreduce", "test_allreduce"), "size_mb",
+        lambda r: f"{r.get('backend')}, {r.get('world_size')} ranks",
+        [("bus bandwidth (GB/s)", lambda r: r.get("busbw_gbps")), ("ms", lambda r: r.seconds * 1e3)])))
+    figures.append(("ddp_buckets", "DDPBucketed step against bucket size", "bucket MiB", _panels(
+        [r for r in run.select("bench_ddp", "test_ddp_step") if r.get("variant") == "bucketed"], "bucket_size_mb",
+        lambda r: f"{r.get('precision')} context {r.get('context')}, {r.get('world_size')} ranks",
+        [("step (ms)", lambda r: r.seconds * 1e3),
+         ("comm wait (ms)", lambda r: ms_or_none(r.get(seconds_key("comm_wait"))))])))
+    return [path for figure in figures if (path := _plot(plt, out, *figure)) is not None]
+
+
+def ms_or_none(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
+
+
+def _panels(results: list[Result], x: str, label: Callable[[Result], str],
+            panels: list[tuple[str, Callable[[Result], float | None]]]) -> list[tuple[str, Series]]:
+    """For each (y label, y of a result): the points of each label's line; lines of one point are dropped."""
+    out = []
+    for ylabel, y in panels:
+        series = defaultdict(list)
+        for r in results:
+            if isinstance(r.get(x), (int, float)) and y(r) is not None:
+                series[label(r)].append((r.get(x), y(r)))
+        out.append((ylabel, {name: sorted(points) for name, points in sorted(series.items()) if len(points) > 1}))
+    return out
+
+
+def _plot(plt, out: Path, name: str, title: str, xlabel: str, panels: list[tuple[str, Series]],
+          columns: int | None = None) -> Path | None:
+    """Panels in rows of `columns` (default: one row), log-log, one line per series, each series in one color
+    throughout; nothing when no series has two points."""
+    panels = [(ylabel, series) for ylabel, series in panels if series]
+    if not panels:
+        return None
+    from matplotlib.ticker import FuncFormatter
+
+    columns = min(columns or len(panels), len(panels))
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(6 * columns, 4.5 * rows), squeeze=False)
+    labels = sorted({label for _, series in panels for label in series})
+    color = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    for ax, (ylabel, series) in zip(axes.flat, panels):
+        for label, points in series.items():
+            ax.plot(*zip(*points), marker="o", label=label, color=color[label])
+        xs = sorted({x for points in series.values() for x, _ in points})
+        ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel, xticks=xs)
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+            axis.set_minor_formatter(plt.NullFormatter())
+        ax.tick_params(axis="x", labelrotation=45 if len(xs) > 6 else 0)
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    handles = {label: line for ax in axes.flat for line, label in zip(*ax.get_legend_handles_labels())}
+    axes[0][0].legend([handles[label] for label in labels], labels, fontsize="small")
+    fig.suptitle(title)
+    fig.tight_layout()
+    path = out / f"{name}.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

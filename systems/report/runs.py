@@ -1,0 +1,217 @@
+"""Saved runs: finding them in the storage, loading them into results, merging runs saved in chunks."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from systems.bench.history import is_complete
+from systems.bench.schema import POINT, Point, read_point
+from systems.report import legacy
+
+RUN_RANGE = re.compile(r"(?P<first>\d+)-(?P<last>\d+)")  # --run 16-20
+
+
+class ReportError(Exception):
+    """A problem with the history, reported as one line."""
+
+
+@dataclass(frozen=True)
+class Result:
+    module: str  # "bench_model"
+    test: str  # "test_model"
+    name: str  # "test_model[tiny-ctx128-fp32-eager-forward]"
+    fields: dict  # serializable params overlaid with extra_info, and the point's fields
+    mean: float  # seconds, over pytest-benchmark's rounds
+    stddev: float
+    min: float
+    max: float
+    rounds: int
+
+    def get(self, key: str, default=None):
+        return self.fields.get(key, default)
+
+    @property
+    def seconds(self) -> float:
+        """The benchmark's figure: the distributed benches time inside their ranks (time_s, step_s),
+        so pytest-benchmark's own mean there is only the cost of a measurement."""
+        return self.get("time_s") or self.get("step_s") or self.mean
+
+
+@dataclass(frozen=True)
+class OutOfMemory:
+    module: str
+    name: str  # the test id
+    point: Point | None  # None for a test without points
+
+    @property
+    def test(self) -> str:
+        return self.name.split("[")[0]
+
+
+@dataclass(frozen=True)
+class Run:
+    paths: tuple[Path, ...]  # one history, or several merged (merge_runs)
+    machine: str  # what ran it, e.g. "NVIDIA H100 80GB HBM3, torch 2.11.0"
+    commit: str
+    datetime: str
+    results: list[Result]
+    out_of_memory: list[OutOfMemory]
+
+    @property
+    def id(self) -> str:
+        return "+".join(path.stem.split("_")[0] for path in self.paths)
+
+    def select(self, module: str, test: str) -> list[Result]:
+        return [r for r in self.results if r.module == module and r.test == test]
+
+    def oom(self, module: str, test: str) -> list[dict]:
+        """The points of `test` that ran out of memory, as their fields."""
+        return [o.point.to_dict() for o in self.out_of_memory if (o.module, o.test) == (module, test) and o.point]
+
+
+def find_run(storage: Path, machine: str | None, run_id: str | None) -> Path:
+    """The run file `run_id` names (a number, a file-name prefix or a path, partial runs included), else the
+    latest complete run."""
+    if run_id is not None and Path(run_id).is_file():
+        return Path(run_id)
+    if not storage.is_dir():
+        raise ReportError(f"no benchmark history at {storage}")
+    machines = {d.name: sorted(d.glob("*.json")) for d in storage.iterdir() if d.is_dir()}
+    machines = {name: runs for name, runs in machines.items() if runs}
+    if machine is None:
+        if not machines:
+            raise ReportError(f"no saved runs under {storage}")
+        machine = max(machines, key=lambda name: _saved_at(machines[name][-1]))
+    if machine not in machines:
+        raise ReportError(f"no saved runs for machine {machine!r} under {storage}; have {sorted(machines) or 'none'}")
+    runs = machines[machine]
+    if run_id is None:
+        return _latest_complete(runs)
+    prefix = f"{int(run_id):04d}_" if run_id.isdigit() else run_id
+    matches = [path for path in runs if path.name.startswith(prefix)]
+    if len(matches) != 1:
+        raise ReportError(f"run {run_id!r} matches {len(matches)} files in {storage / machine}")
+    return matches[0]
+
+
+def _latest_complete(runs: list[Path]) -> Path:
+    """The newest run that went through all its tests (an interrupted one is saved as partial)."""
+    for path in reversed(runs):
+        if is_complete(_read(path)):
+            return path
+    raise ReportError(f"no complete run in {runs[0].parent}, only partial ones ({', '.join(p.name for p in runs)}); "
+                      "name one with --run")
+
+
+def find_runs(storage: Path, machine: str | None, run_ids: str | None) -> list[Path]:
+    """The run files of `run_ids`: one run as find_run takes it, or several separated by commas, where
+    `16-20` stands for 16, 17, 18, 19, 20. All come from the machine folder of the first."""
+    if run_ids is None or ("," not in run_ids and not RUN_RANGE.fullmatch(run_ids)):
+        return [find_run(storage, machine, run_ids)]
+    ids = _run_ids(run_ids)
+    first = find_run(storage, machine, ids[0])
+    return [first] + [find_run(storage, machine or first.parent.name, run_id) for run_id in ids[1:]]
+
+
+def _run_ids(run_ids: str) -> list[str]:
+    """The run ids a --run value lists: `16-20,23` is 16, 17, 18, 19, 20, 23, in that order."""
+    ids = []
+    for item in (item.strip() for item in run_ids.split(",")):
+        span = RUN_RANGE.fullmatch(item)
+        if not item:
+            raise ReportError(f"empty run id in {run_ids!r}")
+        if span and int(span["first"]) > int(span["last"]):
+            raise ReportError(f"run range {item!r} counts down; write {span['last']}-{span['first']}, or list the "
+                              "runs one by one in the order to merge them")
+        ids += [str(n) for n in range(int(span["first"]), int(span["last"]) + 1)] if span else [item]
+    return ids
+
+
+def merge_runs(runs: list[Run]) -> Run:
+    """One run of several, e.g. a sweep saved in chunks: where runs share a point, the later one's
+    result (or its out-of-memory) wins."""
+    if len(runs) == 1:
+        return runs[0]
+    points: dict[tuple[str, str], Result | OutOfMemory] = {}
+    for run in runs:
+        points.update(((point.module, point.name), point) for point in [*run.results, *run.out_of_memory])
+    return Run(paths=tuple(path for run in runs for path in run.paths),
+               machine=_distinct(run.machine for run in runs), commit=_distinct(run.commit for run in runs),
+               datetime=f"{runs[0].datetime} to {runs[-1].datetime}",
+               results=[point for point in points.values() if isinstance(point, Result)],
+               out_of_memory=[point for point in points.values() if isinstance(point, OutOfMemory)])
+
+
+def _distinct(values: Iterable[str]) -> str:
+    return "; ".join(dict.fromkeys(values))
+
+
+def _saved_at(path: Path) -> str:
+    # pytest-benchmark names runs NNNN_<commit>_YYYYMMDD_HHMMSS[_uncommited-changes].json
+    stamp = re.search(r"_(\d{8}_\d{6})", path.stem)
+    return stamp.group(1) if stamp else ""
+
+
+def _read(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ReportError(f"cannot read {path}: {exc.strerror}") from None
+    except ValueError as exc:
+        raise ReportError(f"{path} is not a pytest-benchmark history ({type(exc).__name__}: {exc})") from None
+    if not isinstance(data, dict):
+        raise ReportError(f"{path} is not a pytest-benchmark history (a JSON {type(data).__name__})")
+    return data
+
+
+def load_run(path: Path) -> Run:
+    data = _read(path)
+    try:
+        return Run(
+            paths=(path,),
+            machine=_describe_machine(data.get("machine_info") or {}),
+            commit=str((data.get("commit_info") or {}).get("id", "unknown")),
+            datetime=str(data.get("datetime", "")),
+            results=[_result(bench) for bench in data["benchmarks"]],
+            out_of_memory=[_out_of_memory(entry) for entry in data.get("out_of_memory", [])],
+        )
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ReportError(f"{path} is not a pytest-benchmark history ({type(exc).__name__}: {exc})") from None
+
+
+def _module(fullname: str) -> str:
+    return Path(fullname.split("::")[0]).stem  # "benches/bench_model.py::test_model[...]" -> "bench_model"
+
+
+def _result(bench: dict) -> Result:
+    params = {k: v for k, v in (bench.get("params") or {}).items()
+              if not (isinstance(v, str) and v.startswith("UNSERIALIZABLE["))}
+    extra_info = dict(bench.get("extra_info") or {})
+    record = extra_info.pop(POINT, None)
+    if record is None:  # saved before points were
+        fields = legacy.result_fields({**params, **extra_info})
+    else:
+        fields = {**params, **extra_info, **read_point(record).to_dict()}
+    stats = bench["stats"]
+    return Result(module=_module(bench["fullname"]), test=bench["name"].split("[")[0], name=bench["name"],
+                  fields=fields, mean=float(stats["mean"]), stddev=float(stats["stddev"]), min=float(stats["min"]),
+                  max=float(stats["max"]), rounds=int(stats["rounds"]))
+
+
+def _out_of_memory(entry: dict) -> OutOfMemory:
+    module = _module(entry["fullname"])
+    record = entry.get(POINT)
+    point = legacy.point_from_id(module, entry["name"]) if record is None else read_point(record)
+    return OutOfMemory(module=module, name=entry["name"], point=point)
+
+
+def _describe_machine(info: dict) -> str:
+    lab = info.get("systems_lab") or {}
+    device = lab.get("gpu") or (info.get("cpu") or {}).get("brand_raw") or info.get("machine", "unknown")
+    count = lab.get("gpu_count") or 0
+    device = f"{count}x {device}" if count > 1 else device
+    return f"{device}, torch {lab['torch']}" if lab.get("torch") else device
