@@ -1,4 +1,4 @@
-"""Executable arithmetic: parameters, FLOPs and memory of the Transformer LM, and parallelism at scale.
+"""Parameters, FLOPs and memory of the Transformer LM, as executable arithmetic.
 
 The memory model follows what this repository's model makes autograd save (systems/model.py):
 RMSNorm works in fp32, so the residual stream and both norms' saved tensors stay fp32 under
@@ -21,10 +21,6 @@ from systems.precision import FP32, Precision
 
 GB = 10**9
 H100_BYTES = 80 * GB
-TPU_V5P_BYTES = 95 * GB
-# The handout's TPU v5p figures for the scaling-book arithmetic.
-TPU_V5P_ICI_BANDWIDTH = 2 * 9e10  # bytes/s
-TPU_V5P_FLOPS = 4.6e14  # bf16 FLOP/s
 
 
 def count_parameters(config: TransformerConfig) -> int:
@@ -242,142 +238,3 @@ def _check_shape(config: TransformerConfig, batch_size: int, seq: int) -> None:
         raise ValueError(f"batch_size and seq must be positive, got {batch_size} and {seq}")
     if seq > config.context_length:
         raise ValueError(f"seq={seq} exceeds context_length={config.context_length}")
-
-
-# ---------------------------------------------------------------------------------------------
-# Parallelism arithmetic (CS336 assignment 2, after the scaling book's training chapter)
-
-
-@dataclass(frozen=True)
-class FFNStack:
-    """A model reduced to its feed-forward matmuls: `num_blocks` blocks of d_model -> d_ff -> d_model."""
-
-    d_model: int
-    d_ff: int
-    num_blocks: int
-
-    @property
-    def num_parameters(self) -> int:
-        return self.num_blocks * 2 * self.d_model * self.d_ff
-
-    def state_bytes(self) -> int:
-        """fp32 master weights, accumulated gradients and AdamW's two moments: 16 bytes per parameter."""
-        return 4 * FP32 * self.num_parameters
-
-    def activation_bytes(self, tokens: int) -> int:
-        """bf16 activations saved for backward: each linear layer's input, for every token."""
-        return 2 * tokens * self.num_blocks * (self.d_model + self.d_ff)
-
-    def fsdp_bytes_per_device(self, tokens: int, devices: int) -> float:
-        """Weights, optimizer state, gradients and half the activations sharded N ways."""
-        if devices < 1:
-            raise ValueError(f"devices must be positive, got {devices}")
-        acts = self.activation_bytes(tokens)
-        return self.state_bytes() / devices + acts / 2 + acts / (2 * devices)
-
-    def min_fsdp_devices(self, tokens: int, device_bytes: float = TPU_V5P_BYTES) -> int:
-        """The smallest N whose per-device memory fits in `device_bytes`."""
-        acts = self.activation_bytes(tokens)
-        if acts / 2 >= device_bytes:
-            raise ValueError(f"the unsharded half of the activations, {acts / 2 / GB:.1f} GB, "
-                             f"alone exceeds {device_bytes / GB:.1f} GB")
-        return math.ceil((self.state_bytes() + acts / 2) / (device_bytes - acts / 2))
-
-
-XXL = FFNStack(d_model=16384, d_ff=53248, num_blocks=126)
-
-
-def devices_to_hold(nbytes: float, device_bytes: float = H100_BYTES) -> int:
-    return math.ceil(nbytes / device_bytes)
-
-
-@dataclass(frozen=True)
-class ComputeBoundBatch:
-    per_device: float  # tokens per device
-    total: float  # global batch, tokens
-
-
-def fsdp_tp_compute_bound_batch(stack: FFNStack, *, ici_bandwidth: float, flops_per_s: float,
-                                fsdp_axes: int, tp_axes: int, fsdp: int, tp: int) -> ComputeBoundBatch:
-    """Smallest batch at which a forward pass with X-way FSDP and Y-way tensor parallelism is compute-bound.
-
-    The scaling book's model: the forward's matmuls take 4·B·D·F / (N·C); FSDP all-gathers weights,
-    4·D·F / (Y·W·M_X), and TP moves activations, 4·B·D / (X·W·M_Y); communication overlaps compute,
-    so the batch must make the math at least as long as both together. D cancels out.
-    """
-    f, n = stack.d_ff, fsdp * tp
-    math_per_token = f / flops_per_s  # per-device time per token of per-device batch, over 4·D
-    tp_per_token = tp / (ici_bandwidth * tp_axes)
-    if math_per_token <= tp_per_token:
-        return ComputeBoundBatch(per_device=math.inf, total=math.inf)
-    per_device = (f / (tp * ici_bandwidth * fsdp_axes)) / (math_per_token - tp_per_token)
-    return ComputeBoundBatch(per_device=per_device, total=per_device * n)
-
-
-@dataclass(frozen=True)
-class BucketedAllReduce:
-    """DDP's time after backward when gradients are all-reduced in equal buckets as they become ready.
-
-    Backward produces `param_bytes` of gradients at a constant rate over `backward_seconds`. Buckets
-    all-reduce one at a time, each as soon as its gradients exist and the previous one is done; a
-    ring all-reduce of b bytes takes latency + 2·(n-1)/n · b / bandwidth, where bandwidth is the bus
-    bandwidth per rank (nccl-tests' busbw).
-    """
-
-    backward_seconds: float
-    param_bytes: float
-    world_size: int
-    bandwidth: float  # bytes/s
-    latency: float  # seconds per all-reduce call
-
-    def __post_init__(self):
-        if self.world_size < 2 or self.bandwidth <= 0 or self.param_bytes <= 0:
-            raise ValueError("need world_size >= 2 and positive bandwidth and param_bytes")
-        if self.latency < 0 or self.backward_seconds < 0:
-            raise ValueError("latency and backward_seconds must be non-negative")
-
-    @property
-    def transfer_seconds(self) -> float:
-        """Moving all the gradients once through the ring, without latency."""
-        return 2 * (self.world_size - 1) / self.world_size * self.param_bytes / self.bandwidth
-
-    def allreduce_seconds(self, nbytes: float) -> float:
-        return self.latency + self.transfer_seconds * nbytes / self.param_bytes
-
-    def overhead(self, num_buckets: int) -> float:
-        """Seconds from the end of backward to the end of the last all-reduce."""
-        if num_buckets < 1:
-            raise ValueError(f"num_buckets must be positive, got {num_buckets}")
-        interval = self.backward_seconds / num_buckets
-        each = self.allreduce_seconds(self.param_bytes / num_buckets)
-        # The last bucket waits for backward to end, or the queue of all-reduces outlasts it.
-        return max(each, interval + num_buckets * each - self.backward_seconds)
-
-    def optimal_num_buckets(self) -> float:
-        """Where the overhead is least: with transfers hidden, buckets small enough that each one's
-        all-reduce takes as long as backward takes to fill the next (the handout's assumption);
-        when latency dominates, sqrt(backward / latency)."""
-        if self.latency == 0:
-            return math.inf
-        hidden = (self.backward_seconds - self.transfer_seconds) / self.latency
-        return max(1.0, hidden, math.sqrt(self.backward_seconds / self.latency))
-
-    def optimal_bucket_bytes(self) -> float:
-        return self.param_bytes / self.optimal_num_buckets()
-
-
-def fit_bucketed_allreduce(*, backward_seconds: float, param_bytes: float, world_size: int,
-                           allreduces: list[tuple[float, float]]) -> BucketedAllReduce | None:
-    """The bucket model with the latency and bus bandwidth of measured all-reduces, (bytes, seconds) on
-    `world_size` ranks: time = latency + ring bytes / busbw, a least-squares line through (ring bytes, time).
-    None without two sizes to fit, or where the times do not grow with size."""
-    ring = 2 * (world_size - 1) / world_size
-    xs, ys = [ring * nbytes for nbytes, _ in allreduces], [seconds for _, seconds in allreduces]
-    if len(set(xs)) < 2:
-        return None
-    x_mean, y_mean = sum(xs) / len(xs), sum(ys) / len(ys)
-    slope = sum((x - x_mean) * (y - y_mean) for x, y in zip(xs, ys)) / sum((x - x_mean) ** 2 for x in xs)
-    if slope <= 0:
-        return None
-    return BucketedAllReduce(backward_seconds=backward_seconds, param_bytes=param_bytes, world_size=world_size,
-                             bandwidth=1 / slope, latency=max(0.0, y_mean - slope * x_mean))
