@@ -50,6 +50,7 @@ L2_MULTIPLE_TO_INTERLEAVE = {"forward": 2, "backward": 1}
 INTERPRETED_L2_BYTES = 64 * 2**10
 
 
+@torch.compiler.assume_constant_result  # Dynamo cannot trace isinstance on a Triton kernel; the answer is fixed
 def interpreted() -> bool:
     """Whether the kernels run in Triton's interpreter, which Triton decided when it defined them."""
     return not isinstance(fwd_kernel, triton.JITFunction)
