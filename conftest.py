@@ -62,6 +62,7 @@ if not torch.cuda.is_available():
     # systems.attention does on first use: set here, it precedes every test.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from systems.accounting import SCHEMES  # noqa: E402
 from systems.attention import BENCHED_BACKENDS  # noqa: E402
 from systems.bench.timing import device_info  # noqa: E402
 from systems.parallel.ranks import BACKENDS  # noqa: E402
@@ -69,6 +70,7 @@ from systems.bench.gate import RevisionGate  # noqa: E402
 from systems.bench.history import Histories  # noqa: E402
 from systems.bench.schema import POINT  # noqa: E402
 from systems.model import ATTENTION_BACKENDS, PRESETS  # noqa: E402
+from systems.parallel.train import VARIANTS  # noqa: E402
 from systems.precision import DTYPES, PRECISIONS  # noqa: E402
 
 pytest_plugins = ["pytester"]
@@ -91,15 +93,19 @@ def _csv(kind):
     return parse
 
 
+LOSSES = ("full", "chunked")  # cross-entropy from the whole logits, or --loss-chunk tokens at a time
 # What each grid option may hold, checked once at start-up: names from where they are defined, or numbers in range.
 GRID_CHOICES = {"presets": PRESETS, "precisions": PRECISIONS, "attention": ATTENTION_BACKENDS,
                 "attn_precisions": DTYPES, "attn_impls": BENCHED_BACKENDS, "allreduce_backends": BACKENDS,
-                "ddp_preset": PRESETS}
+                "ddp_preset": PRESETS, "fsdp_preset": PRESETS, "checkpoint": [s for s in SCHEMES if s != "blocks"],
+                "fullstep_preset": PRESETS, "fullstep_variant": VARIANTS, "loss": LOSSES}
 _POSITIVE = ("positive", lambda x: x > 0 and math.isfinite(x))
 GRID_NUMBERS = {"contexts": _POSITIVE, "compile_contexts": _POSITIVE, "batch_size": _POSITIVE, "rounds": _POSITIVE,
                 "warmup_steps": ("zero or more", lambda x: x >= 0), "attn_seqs": _POSITIVE, "attn_dims": _POSITIVE,
-                "world_sizes": _POSITIVE, "allreduce_sizes_mb": _POSITIVE, "bucket_sizes_mb": _POSITIVE}
-EMPTY_MEANS_NONE = {"compile_contexts"}  # elsewhere an empty list would leave a grid with no points
+                "world_sizes": _POSITIVE, "allreduce_sizes_mb": _POSITIVE, "bucket_sizes_mb": _POSITIVE,
+                "checkpoint_blocks": _POSITIVE, "max_context": _POSITIVE, "loss_chunk": _POSITIVE}
+# Elsewhere an empty list would leave a grid with no points.
+EMPTY_MEANS_NONE = {"compile_contexts", "checkpoint_blocks"}
 
 
 def pytest_addoption(parser):
@@ -153,8 +159,31 @@ def pytest_addoption(parser):
                         help="float32 tensor sizes in MiB, e.g. 1,10,100,1024")
     dist_grid.addoption("--ddp-preset", default="tiny", help="model preset of the DDP and sharded-optimizer benchmarks "
                         "(with --batch-size per rank, --contexts, --precisions, --warmup-steps, --rounds)")
+    dist_grid.addoption("--fsdp-preset", default="tiny", help="model preset of benches/bench_fsdp.py (with --batch-size "
+                        "per rank, --contexts, --precisions, --world-sizes); the issue's point: xl")
     dist_grid.addoption("--bucket-sizes-mb", type=_csv(float), default=[1.0, 10.0],
                         help="DDPBucketed bucket sizes in MiB, e.g. 1,10,100,1000")
+
+
+    ckpt = parser.getgroup("checkpointing benchmarks", "benches/bench_checkpoint.py (with --presets, --contexts, "
+                           "--precisions, --batch-size, --attention, --warmup-steps, --rounds); defaults fit a CPU")
+    ckpt.addoption("--checkpoint-blocks", type=_csv(int), default=[1],
+                   help="segment sizes of one-level checkpointing to sweep, e.g. 1,2,4,8 (empty: none)")
+    ckpt.addoption("--checkpoint", type=_csv(str), default=["none", "nested"],
+                   help="none (every activation kept) and/or nested (the two-level scheme of least peak memory)")
+    ckpt.addoption("--max-context", type=int, default=256,
+                   help="the context search doubles from the first of --contexts up to this, or out of memory")
+
+    full = parser.getgroup("full-step benchmarks", "benches/bench_fullstep.py (with --contexts, --precisions, "
+                           "--batch-size per rank, --world-sizes, --attention, --checkpoint-blocks, --warmup-steps, "
+                           "--rounds); the default is the leaderboard's shape made tiny, on 2 gloo ranks")
+    full.addoption("--fullstep-preset", default="leaderboard-2026-tiny",
+                   help="model preset; the issue's: leaderboard-2026 (with --contexts 32768 --batch-size 1 "
+                        "--precisions bf16 --loss-chunk 4096)")
+    full.addoption("--fullstep-variant", default="fsdp", help=f"how ranks share the step: {', '.join(VARIANTS)}")
+    full.addoption("--loss", default="chunked", help="cross-entropy from the whole logits (full) or --loss-chunk "
+                   "tokens at a time (chunked)")
+    full.addoption("--loss-chunk", type=int, default=48, help="tokens per chunk of the chunked cross-entropy")
 
 
 def pytest_configure(config):

@@ -67,10 +67,11 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("world_size", world_sizes, ids=lambda n: f"{n}ranks")
 
 
-def train_in_ranks(benchmark, rank_pools, world_size: int, spec: TrainSpec) -> list[dict]:
+def train_in_ranks(benchmark, rank_pools, world_size: int, spec: TrainSpec, then=None) -> list[dict]:
+    """systems.parallel.train.train(spec, then) on every rank, its step times given to pytest-benchmark."""
     if BACKEND == "nccl" and world_size > torch.cuda.device_count():
         pytest.skip(f"needs {world_size} GPUs, found {torch.cuda.device_count()}")
-    ranks = rank_pools.run(world_size, BACKEND, train, spec)
+    ranks = rank_pools.run(world_size, BACKEND, train, spec, then)
     record_timings(benchmark, [rank["seconds"]["step"] for rank in ranks])
     return ranks
 

@@ -1,7 +1,8 @@
 """A GPT-style Transformer LM with the CS336 architecture and size presets.
 
 Token embedding, N pre-norm blocks (RMSNorm, causal multi-head attention with RoPE, SwiGLU),
-a final RMSNorm and an untied LM head; no biases. Attention is chosen by name.
+a final RMSNorm and an untied LM head; no biases. Attention is chosen by name, and which blocks the
+backward recomputes (activation checkpointing) by `TransformerConfig.checkpoint`.
 """
 
 from __future__ import annotations
@@ -13,8 +14,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from systems import attention
+from systems.loss import LMHead
 
 
 # The systems.attention.BACKENDS a config may name: causal self-attention whose saved tensors
@@ -38,6 +41,15 @@ class TransformerConfig:
     # Debug mode: every forward checks that the token ids lie in [0, vocab_size), at the cost of a
     # host sync and, under torch.compile, a graph break.
     check_tokens: bool = False
+    # Activation checkpointing: blocks per segment at each level, outermost first. () keeps every block's
+    # activations for the backward; (k,) keeps only the input of each run of k blocks and recomputes the rest
+    # in the backward; (K, k) keeps the inputs of runs of K blocks, and each run's recomputation keeps only
+    # the inputs of its runs of k, recomputed once more. systems.accounting.nested_checkpoint picks the
+    # two-level sizes with the least peak memory.
+    checkpoint: tuple[int, ...] = ()
+    # The loss `TransformerLM(tokens, targets)` returns: None makes the whole logits; a number of tokens makes
+    # that many tokens' logits at a time and keeps none (systems.loss.chunked_cross_entropy).
+    loss_chunk: int | None = None
 
     def __post_init__(self):
         for name in _SIZE_FIELDS:
@@ -52,6 +64,10 @@ class TransformerConfig:
             raise ValueError(f"rope_theta must be positive and finite, got {self.rope_theta}")
         if not isinstance(self.check_tokens, bool):
             raise TypeError(f"check_tokens must be a bool, got {self.check_tokens!r}")
+        _check_checkpoint(self.checkpoint)
+        if self.loss_chunk is not None and (not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool)
+                                            or self.loss_chunk < 1):
+            raise ValueError(f"loss_chunk must be None or a positive number of tokens, got {self.loss_chunk!r}")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if (self.d_model // self.num_heads) % 2:
@@ -64,6 +80,13 @@ class TransformerConfig:
         return self.d_model // self.num_heads
 
 
+def _check_checkpoint(levels) -> None:
+    if not isinstance(levels, tuple) or not all(isinstance(k, int) and not isinstance(k, bool) for k in levels):
+        raise TypeError(f"checkpoint must be a tuple of ints (blocks per segment, outermost first), got {levels!r}")
+    if any(k < 1 for k in levels) or any(inner >= outer for outer, inner in zip(levels, levels[1:])):
+        raise ValueError(f"checkpoint segment sizes must be positive and shrink from level to level, got {levels}")
+
+
 PRESETS = {
     "tiny": TransformerConfig(d_model=64, d_ff=256, num_layers=2, num_heads=4, context_length=256),
     "small": TransformerConfig(d_model=768, d_ff=3072, num_layers=12, num_heads=12),
@@ -71,6 +94,12 @@ PRESETS = {
     "large": TransformerConfig(d_model=1280, d_ff=5120, num_layers=36, num_heads=20),
     "xl": TransformerConfig(d_model=1600, d_ff=6400, num_layers=48, num_heads=25),
     "2.7b": TransformerConfig(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
+    # The course's 2026 leaderboard step: an 8.1B model (Qwen's vocabulary) at context 32768.
+    "leaderboard-2026": TransformerConfig(d_model=4096, d_ff=11008, num_layers=34, num_heads=32, vocab_size=151_936,
+                                          context_length=32_768),
+    # Its shape made tiny for CPU runs of the same code: d_model, d_ff, heads, vocabulary and context all 1/32 of it.
+    "leaderboard-2026-tiny": TransformerConfig(d_model=128, d_ff=344, num_layers=4, num_heads=32, vocab_size=4748,
+                                               context_length=1024),
 }
 
 
@@ -163,11 +192,12 @@ class TransformerLM(nn.Module):
         self.embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
         self.final_norm = RMSNorm(config.d_model)
-        self.lm_head = nn.Linear(config.d_model, config.vocab_size, bias=False)
+        self.lm_head = LMHead(config.d_model, config.vocab_size)
         self.apply(_init_weights)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: (batch, seq) integer ids -> logits (batch, seq, vocab_size); either size may be 0.
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: (batch, seq) integer ids -> logits (batch, seq, vocab_size); either size may be 0. With
+        targets (batch, seq), the mean cross-entropy instead, as `config.loss_chunk` makes it.
 
         The ids' range is checked only with `config.check_tokens`: the check reads them back to the host,
         which stalls a GPU every step. Check them where batches are made instead (`check_token_ids` on the
@@ -177,13 +207,33 @@ class TransformerLM(nn.Module):
         _check_token_shape(tokens, self.config.context_length)
         if self.config.check_tokens:
             check_token_ids(tokens, self.config.vocab_size)
-        x = self.embedding(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.lm_head(self.final_norm(x))
+        x = run_blocks(self.blocks, self.embedding(tokens), self.config.checkpoint)
+        if targets is None:
+            return self.lm_head(self.final_norm(x))
+        # One call of the head makes the logits and the loss: a sharded head is gathered for both.
+        return self.lm_head(self.final_norm(x), targets, self.config.loss_chunk)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
+
+
+def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, levels: tuple[int, ...]) -> torch.Tensor:
+    """The blocks in order; with levels (k, *inner), as segments of k blocks of which autograd keeps only the
+    input, recomputing the rest in the backward, where `inner` checkpoints the recomputation in turn.
+
+    Non-reentrant checkpointing composes with module hooks (a recomputed forward runs a module's hooks again,
+    as a sharded layer's all-gather needs) and with autocast, whose state it restores for the recomputation.
+    The blocks draw no random numbers, so no RNG state is saved.
+    """
+    if not levels or not torch.is_grad_enabled():
+        for block in blocks:
+            x = block(x)
+        return x
+    size, inner = levels[0], levels[1:]
+    for start in range(0, len(blocks), size):
+        x = checkpoint(run_blocks, blocks[start:start + size], x, inner, use_reentrant=False,
+                       preserve_rng_state=False)
+    return x
 
 
 def _check_token_shape(tokens: torch.Tensor, context_length: int) -> None:
@@ -210,16 +260,3 @@ def _init_weights(module: nn.Module) -> None:
         nn.init.trunc_normal_(module.weight, std=std, a=-3 * std, b=3 * std)
     elif isinstance(module, nn.Embedding):
         nn.init.trunc_normal_(module.weight, std=1.0, a=-3.0, b=3.0)
-
-
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean negative log-likelihood, stable for large logits: log-sum-exp with the max taken out."""
-    # logits: (..., vocab), targets: (...)
-    if targets.numel() == 0:
-        raise ValueError(f"cross_entropy needs at least one target to average over, got targets of shape "
-                         f"{tuple(targets.shape)}")
-    logits = logits.float()
-    shifted = logits - logits.amax(dim=-1, keepdim=True)
-    log_norm = shifted.exp().sum(dim=-1).log()
-    target_logit = shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return (log_norm - target_logit).mean()

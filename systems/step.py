@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from systems.device import nvtx_range
-from systems.model import TransformerConfig, TransformerLM, cross_entropy
+from systems.model import TransformerConfig, TransformerLM
 from systems.precision import Precision
 
 
@@ -25,8 +25,9 @@ def make_model(config: TransformerConfig, device: torch.device, precision: Preci
 
 def forward_loss(model: torch.nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
                  precision: Precision) -> torch.Tensor:
+    """The model's mean cross-entropy, which it makes in its LM head's call (TransformerLM's `targets`)."""
     with nvtx_range("forward"), precision.autocast(tokens.device):
-        return cross_entropy(model(tokens), targets)
+        return model(tokens, targets)
 
 
 def backward(loss: torch.Tensor) -> None:

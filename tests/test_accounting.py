@@ -13,7 +13,8 @@ from systems.accounting import (GB, TPU_V5P_BYTES, TPU_V5P_FLOPS, TPU_V5P_ICI_BA
                                 FFNStack, activation_memory, count_matmul_parameters, count_parameters,
                                 devices_to_hold, flops, fsdp_tp_compute_bound_batch, model_state,
                                 peak_memory, residual_stream_bytes)
-from systems.model import PRESETS, TransformerConfig, TransformerLM, cross_entropy, get_config
+from systems.loss import cross_entropy
+from systems.model import PRESETS, TransformerConfig, TransformerLM, get_config
 from systems.optim import AdamW
 from systems.precision import PRECISIONS
 from systems.step import forward_loss, make_model, random_batch, train_step
@@ -32,6 +33,22 @@ def test_parameter_counts_match_the_model(preset):
     assert count_parameters(model.config) == model.num_parameters()
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert count_matmul_parameters(model.config) == linear
+
+
+def test_leaderboard_model_counts_and_step_flops():
+    """Issue 16's arithmetic: 7,503,085,568 matmul parameters (the LM head's, not the embedding's), so
+    6 x 7.50 B x 65,536 tokens = 2.95 PFLOP of matmuls, and causal attention forward and backward 2.09 PFLOP
+    (FlashAttention's count: a backward of five matmuls); 5.04 PFLOP a step, 3,837 ms the best entry's 29% of
+    2 x 989 TFLOP/s."""
+    config = get_config("leaderboard-2026")
+    assert count_parameters(config) == 8_125_698_048
+    assert count_matmul_parameters(config) == 7_503_085_568
+    step = flops(config, 2, 32_768)
+    assert 3 * (step.projections + step.lm_head) == 6 * 7_503_085_568 * 65_536
+    assert (step.flash_step - step.step) * 2 == step.attention  # 3.5 attention forwards, not 3
+    assert 3.5 * step.attention / 1e15 == pytest.approx(2.09, abs=0.005)
+    assert step.flash_step / 1e15 == pytest.approx(5.04, abs=0.005)
+    assert step.flash_step / 8.8 / (2 * 989e12) == pytest.approx(0.29, abs=0.005)
 
 
 @pytest.mark.parametrize("attention", ["naive", "sdpa"])

@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from systems.attention import FlashAttentionPytorch, attention_reference, flash_attention
-from systems.model import TransformerLM, cross_entropy, get_config
+from systems.loss import cross_entropy
+from systems.model import TransformerLM, get_config
 from systems.step import random_batch
 
 # The Triton kernels compute scores, exp2s and rows of dK and dV that they then mask out or never store (past

@@ -4,8 +4,9 @@ import pytest
 import torch
 
 from systems.attention import BACKENDS, naive_attention
+from systems.loss import cross_entropy
 from systems.model import (ATTENTION_BACKENDS, PRESETS, RMSNorm, RotaryEmbedding, SwiGLU, TransformerBlock,
-                           TransformerLM, check_token_ids, cross_entropy, get_config)
+                           TransformerLM, check_token_ids, get_config)
 from systems.optim import AdamW
 from systems.precision import PRECISIONS
 from systems.step import random_batch, train_step
@@ -16,6 +17,7 @@ EXPECTED_PARAMETERS = {
     "large": 969_411_840,
     "xl": 1_998_235_200,
     "2.7b": 3_406_809_600,
+    "leaderboard-2026": 8_125_698_048,  # the untied embedding and LM head included (issue 16)
 }
 
 

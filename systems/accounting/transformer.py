@@ -6,16 +6,20 @@ autocast (with bf16 weights the residual stream is bf16, and the norms save fp32
 RoPE saves only its cos/sin tables; SwiGLU saves w1's and w3's outputs, the SiLU and
 the product; cross_entropy upcasts the logits and keeps three (batch, seq, vocab) fp32 tensors.
 tests/test_accounting.py checks it against the tensors autograd actually saves (CPU) and against
-torch.cuda.max_memory_allocated (GPU).
+torch.cuda.max_memory_allocated (GPU). Activation memory, peak memory and FLOPs follow the config's activation
+checkpointing (checkpointing.py holds its arithmetic; tests/test_checkpointing.py checks it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
 import torch
 
+from systems.accounting.checkpointing import (SCHEMES, held_in_backward, kept_inputs, least_peak_levels,
+                                              recomputed_blocks)
 from systems.model import ATTENTION_BACKENDS, TransformerConfig
 from systems.precision import FP32, Precision
 
@@ -59,6 +63,13 @@ class Flops:
     def step(self) -> int:
         return self.forward + self.backward
 
+    @property
+    def flash_step(self) -> int:
+        """The step as FlashAttention's benchmarks and the course's leaderboard count it: attention's backward is
+        the five matmuls a FlashAttention backward runs (QKᵀ again, dV, dP, dQ, dK), 2.5 times its forward
+        rather than twice."""
+        return self.step + self.attention // 2
+
 
 def flops(config: TransformerConfig, batch_size: int, seq: int) -> Flops:
     _check_shape(config, batch_size, seq)
@@ -69,6 +80,17 @@ def flops(config: TransformerConfig, batch_size: int, seq: int) -> Flops:
         attention=layers * 2 * 2 * batch_size * seq * seq * d // 2,
         lm_head=2 * tokens * d * config.vocab_size,
     )
+
+
+def recomputed_flops(config: TransformerConfig, batch_size: int, seq: int) -> Flops:
+    """The forward FLOPs the backward runs again under `config.checkpoint` (none without): the blocks
+    `recomputed_blocks` counts, less the w2 matmul at the end of each innermost segment. Not model FLOPs:
+    MFU leaves them out."""
+    model = flops(config, batch_size, seq)
+    blocks, segments = recomputed_blocks(config.num_layers, config.checkpoint)
+    w2 = 2 * batch_size * seq * config.d_model * config.d_ff
+    return Flops(projections=blocks * model.projections // config.num_layers - segments * w2,
+                 attention=blocks * model.attention // config.num_layers, lm_head=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,10 +143,20 @@ class Activations:
     num_layers: int
     head: int  # final norm, LM head input and cross-entropy
     logits: int  # one fp32 (batch, seq, vocab) tensor, the unit of the loss's transients
+    segment_input: int  # one residual-stream tensor: what checkpointing keeps of a segment
+    checkpoint: tuple[int, ...] = ()  # TransformerConfig.checkpoint
+
+    @property
+    def blocks(self) -> int:
+        """What autograd keeps of the blocks: every block's activations, or under checkpointing the inputs of
+        the outermost segments."""
+        if self.checkpoint:
+            return kept_inputs(self.num_layers, self.checkpoint) * self.segment_input
+        return self.num_layers * self.per_layer
 
     @property
     def total(self) -> int:
-        return self.num_layers * self.per_layer + self.head
+        return self.blocks + self.head
 
 
 def activation_memory(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, *,
@@ -171,7 +203,9 @@ def activation_memory(config: TransformerConfig, batch_size: int, seq: int, prec
     # fp32 logits (amax), exp (its backward), logits minus max (gather), the max and the sum.
     loss = 3 * logits + 2 * FP32 * tokens
     head = norm + act + loss
-    return Activations(per_layer=per_layer, num_layers=config.num_layers, head=head, logits=logits)
+    return Activations(per_layer=per_layer, num_layers=config.num_layers, head=head, logits=logits,
+                       segment_input=residual_stream_bytes(config, batch_size, seq, precision),
+                       checkpoint=config.checkpoint)
 
 
 @dataclass(frozen=True)
@@ -194,26 +228,29 @@ def peak_memory(config: TransformerConfig, batch_size: int, seq: int, precision:
     residual = residual_stream_bytes(config, batch_size, seq, precision)
     weights = state.params + state.buffers
     forward = weights + state.autocast_weights + acts.total
+    copy = precision.autocast_copy_bytes
+    # Under checkpointing the blocks' weight copies leave with the forward's autocast cache; the LM head's stays.
+    after_forward = weights + (copy * d * vocab if config.checkpoint else state.autocast_weights) + acts.total
 
     # The loss's backward briefly holds one more fp32 logits-sized gradient, and the bool mask of
     # amax's gradient, than the forward kept.
     loss_backward = acts.logits + acts.logits // FP32
-    # Each block's backward frees its activations and weight copies and adds its gradients, so the
-    # blocks' peak, inside SwiGLU's backward (w2's gradient done, the product's two gradients being
-    # made), is in the top block or the bottom one.
-    copy = precision.autocast_copy_bytes
+    # Each block's backward frees its activations and weight copies and adds its gradients; its peak is inside
+    # SwiGLU's backward (w2's gradient done, the product's two gradients being made). Without checkpointing the
+    # blocks' peak is in the top block or the bottom one; with it, at the top of some segment.
     layer_grads = grad * (4 * d * d + 3 * d * d_ff + 2 * d)
     layer_copies = copy * (4 * d * d + 3 * d * d_ff)
     w2_copy = copy * d * d_ff
     swiglu_backward = grad * d * d_ff - w2_copy + 2 * tokens * d_ff * low
     layers = config.num_layers
+    shared = residual if precision.weights == torch.float32 else 0  # a norm saves an fp32 input as it is
 
     def in_block(i: int) -> int:  # blocks above i are done
-        return (weights + grad * (d * vocab + d) + (layers - 1 - i) * layer_grads
-                + (i + 1) * (acts.per_layer + layer_copies) + residual + swiglu_backward)
+        held = held_in_backward(config.checkpoint, i, acts.per_layer + layer_copies, residual, shared)
+        return weights + grad * (d * vocab + d) + (layers - 1 - i) * layer_grads + held + residual + swiglu_backward
 
     all_grads = weights + state.grads
-    forward_backward = max(forward + loss_backward, in_block(layers - 1), in_block(0), all_grads + residual)
+    forward_backward = max(after_forward + loss_backward, *map(in_block, range(layers)), all_grads + residual)
     train_step = state.optimizer + max(forward_backward, all_grads + _optimizer_transient(config, precision, device))
 
     # No grad: the loss's fp32 logits copies, or one block's SwiGLU working set on top of the residual stream.
@@ -221,6 +258,48 @@ def peak_memory(config: TransformerConfig, batch_size: int, seq: int, precision:
     inference = weights + state.autocast_weights + working_set
     return PeakMemory(inference=inference, forward=forward, forward_backward=forward_backward,
                       train_step=train_step)
+
+
+def nested_checkpoint(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, *,
+                      attention: str | None = None, device: str = "cuda") -> tuple[int, ...]:
+    """The two-level `checkpoint` sizes whose forward and backward peak least (checkpointing.py says why)."""
+    def peak(levels: tuple[int, ...]) -> int:
+        checkpointed = dataclasses.replace(config, checkpoint=levels)
+        peak = peak_memory(checkpointed, batch_size, seq, precision, attention=attention, device=device)
+        return peak.forward_backward
+
+    return least_peak_levels(config.num_layers, peak)
+
+
+def checkpoint_levels(scheme: str, config: TransformerConfig, batch_size: int, seq: int, precision: Precision, *,
+                      blocks: int | None = None, attention: str | None = None, device: str = "cuda") -> tuple[int, ...]:
+    """`TransformerConfig.checkpoint` for a scheme of checkpointing.SCHEMES: "blocks" takes segments of `blocks`."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown checkpointing scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
+    if (scheme == "blocks") != (blocks is not None):
+        raise ValueError(f"segments of a number of blocks go with the scheme 'blocks' only, got {scheme!r} and "
+                         f"blocks={blocks!r}")
+    if scheme == "nested":
+        return nested_checkpoint(config, batch_size, seq, precision, attention=attention, device=device)
+    return (blocks,) if scheme == "blocks" else ()
+
+
+def largest_context(config: TransformerConfig, batch_size: int, precision: Precision, *, capacity: int = H100_BYTES,
+                    attention: str | None = None, device: str = "cuda") -> int:
+    """The longest sequence whose training step's predicted peak fits in `capacity` bytes (0 if none does), with
+    `config`'s checkpointing and a context length equal to the sequence."""
+    def fits(seq: int) -> bool:
+        at_seq = dataclasses.replace(config, context_length=seq)
+        peak = peak_memory(at_seq, batch_size, seq, precision, attention=attention, device=device)
+        return peak.train_step <= capacity
+
+    low, high = 0, 1  # fits(low) or low == 0; not fits(high) once found
+    while fits(high):
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
 
 
 def _optimizer_transient(config: TransformerConfig, precision: Precision, device: str) -> int:

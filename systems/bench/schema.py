@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from systems.parallel.train import PHASES as DDP_PHASES
-from systems.parallel.train import VARIANTS
+from systems.parallel.train import SHARDED, VARIANTS
 from systems.precision import Precision, get_precision
 
 POINT = "point"  # the extra_info key that holds the point
@@ -23,7 +23,10 @@ ATTENTION_PASSES = ("forward", "backward", "forward_backward")
 DDP_TIMINGS = ("step", *DDP_PHASES)  # each saved in seconds under seconds_key(name)
 # One process and torch's DistributedDataParallel come first, in grids and tables: the others compare with them.
 DDP_BASELINES = ("single", "torch")
-DDP_VARIANTS = (*DDP_BASELINES, *(variant for variant in VARIANTS if variant not in DDP_BASELINES))
+DDP_VARIANTS = (*DDP_BASELINES, *(variant for variant in VARIANTS if variant not in (*DDP_BASELINES, *SHARDED)))
+# The FSDP comparison: one process, our bucketed DDP, our FSDP, torch's FSDP2.
+FSDP_VARIANTS = ("single", "bucketed", *SHARDED)
+FSDP_TIMINGS = (*DDP_TIMINGS, "gather_wait")
 
 
 def seconds_key(timing: str) -> str:
@@ -130,7 +133,90 @@ class DDPPoint(Point):
         return f"{self.variant}{bucket}-{self.precision.name}-ctx{self.context}-{self.world_size}ranks"
 
 
-KINDS = {cls.kind: cls for cls in (ModelPoint, AttentionPoint, AllReducePoint, DDPPoint)}
+def scheme_name(scheme: str, blocks: int | None) -> str:
+    """A checkpointing scheme as ids and tables show it: none, every4, nested."""
+    return f"every{blocks}" if scheme == "blocks" else scheme
+
+
+@dataclass(frozen=True)
+class CheckpointPoint(Point):
+    """A training step with activation checkpointing; "blocks" takes segments of `blocks` blocks."""
+
+    kind: ClassVar[str] = "checkpoint"
+    preset: str
+    batch: int
+    context: int
+    precision: Precision
+    attention: str
+    scheme: str  # one of systems.accounting.SCHEMES
+    blocks: int | None
+
+    def __str__(self) -> str:
+        scheme = scheme_name(self.scheme, self.blocks)
+        return f"{self.preset}-b{self.batch}-ctx{self.context}-{self.precision.name}-{self.attention}-{scheme}"
+
+
+@dataclass(frozen=True)
+class ContextSearchPoint(Point):
+    """The longest context, doubling from `start` up to `limit`, at which a preset trains with a scheme."""
+
+    kind: ClassVar[str] = "context_search"
+    preset: str
+    batch: int
+    precision: Precision
+    attention: str
+    scheme: str  # one of systems.accounting.SCHEMES
+    blocks: int | None
+    start: int
+    limit: int
+
+    def __str__(self) -> str:
+        scheme = scheme_name(self.scheme, self.blocks)
+        return (f"{self.preset}-b{self.batch}-{self.precision.name}-{self.attention}-{scheme}"
+                f"-ctx{self.start}to{self.limit}")
+
+
+@dataclass(frozen=True)
+class FSDPPoint(Point):
+    kind: ClassVar[str] = "fsdp"
+    variant: str  # one of FSDP_VARIANTS
+    preset: str
+    precision: Precision
+    context: int
+    batch_size: int  # per rank
+    world_size: int
+
+    def __str__(self) -> str:
+        return (f"{self.variant}-{self.preset}-{self.precision.name}-ctx{self.context}-b{self.batch_size}"
+                f"-{self.world_size}ranks")
+
+
+@dataclass(frozen=True)
+class FullStepPoint(Point):
+    """A whole training step with its levers: a variant of systems.parallel.train (our FSDP for the leaderboard's
+    model), the attention backend, checkpointed segments of `checkpoint_blocks` blocks (None: none) and the
+    cross-entropy `loss_chunk` tokens at a time (None: the whole logits)."""
+
+    kind: ClassVar[str] = "fullstep"
+    variant: str
+    preset: str
+    precision: Precision
+    context: int
+    batch_size: int  # per rank
+    world_size: int
+    attention: str
+    checkpoint_blocks: int | None
+    loss_chunk: int | None
+
+    def __str__(self) -> str:
+        checkpoint = "none" if self.checkpoint_blocks is None else f"every{self.checkpoint_blocks}"
+        loss = "full" if self.loss_chunk is None else f"chunk{self.loss_chunk}"
+        return (f"{self.variant}-{self.preset}-{self.precision.name}-ctx{self.context}-b{self.batch_size}"
+                f"-{self.world_size}ranks-{self.attention}-ckpt-{checkpoint}-loss-{loss}")
+
+
+KINDS = {cls.kind: cls for cls in (ModelPoint, AttentionPoint, AllReducePoint, DDPPoint, FSDPPoint, CheckpointPoint,
+                                   ContextSearchPoint, FullStepPoint)}
 
 
 def read_point(record: dict) -> Point:

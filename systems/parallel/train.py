@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import statistics
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -27,16 +28,19 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from systems.model import PRESETS, TransformerConfig, get_config
+from systems.model import ATTENTION_BACKENDS, PRESETS, TransformerConfig, TransformerLM, get_config
 from systems.optim import AdamW, ShardedOptimizer
 from systems.parallel import ddp
 from systems.parallel.ddp import check_bucket_size, make_ddp
+from systems.parallel.fsdp import FSDP
 from systems.parallel.meters import PeakMemory, PhaseClock
 from systems.parallel.ranks import init_from_env, rank_device
 from systems.precision import PRECISIONS, Precision, get_precision
 from systems.step import backward, forward_loss, make_model, optimizer_step, random_batch
 
-VARIANTS = ("single", *ddp.VARIANTS, "torch")  # one process; ours; torch's DistributedDataParallel
+# One process; our DDP variants; torch's DistributedDataParallel; our FSDP; torch's FSDP2 (fully_shard).
+VARIANTS = ("single", *ddp.VARIANTS, "torch", "fsdp", "fsdp2")
+SHARDED = ("fsdp", "fsdp2")  # compute in the precision's compute dtype, weights cast before the all-gathers
 OPTIMIZERS = ("adamw", "sharded", "zero")
 PHASES = ("forward", "backward", "comm_wait", "optimizer")
 
@@ -54,18 +58,31 @@ class TrainSpec:
     steps: int = 5  # timed, after the warm-up steps
     lr: float = 1e-3
     seed: int = 0
+    # The model's levers (systems.model.TransformerConfig): blocks per checkpointed segment, outermost first;
+    # tokens per chunk of the chunked cross-entropy (None: the whole logits); the attention backend.
+    checkpoint: tuple[int, ...] = ()
+    loss_chunk: int | None = None
+    attention: str = "sdpa"
 
     def __post_init__(self):
         for field, value, choices in (("preset", self.preset, PRESETS), ("variant", self.variant, VARIANTS),
                                       ("optimizer", self.optimizer, OPTIMIZERS),
-                                      ("precision", self.precision, PRECISIONS)):
+                                      ("precision", self.precision, PRECISIONS),
+                                      ("attention", self.attention, ATTENTION_BACKENDS)):
             if value not in choices:
                 raise ValueError(f"unknown {field} {value!r}; choose from {list(choices)}")
+        if self.variant in SHARDED and self.optimizer != "adamw":
+            raise ValueError(f"{self.variant} shards the optimizer state itself: use optimizer 'adamw'")
         if self.variant == "torch" and self.bucket_size_mb is None:
             raise ValueError("torch's DistributedDataParallel needs a bucket size")
         check_bucket_size(self.bucket_size_mb)
         if min(self.batch_size, self.context, self.steps) < 1 or self.warmup < 0:
             raise ValueError("batch_size, context and steps must be positive and warmup non-negative")
+        self.config()  # checks the levers
+
+    def config(self) -> TransformerConfig:
+        return get_config(self.preset, context_length=self.context, checkpoint=self.checkpoint,
+                          loss_chunk=self.loss_chunk, attention=self.attention)
 
 
 @dataclass(frozen=True)
@@ -117,20 +134,44 @@ class TorchDDP(DistributedDataParallel):
         """Nothing left to do: torch's reducer waits for its all-reduces at the end of backward."""
 
 
-def train(spec: TrainSpec) -> dict:
+class TorchFSDP2(nn.Module):
+    """Torch's FSDP2 (`fully_shard`, block by block, then the root) with the interface of our wrappers,
+    casting weights to `compute_dtype` before the all-gathers and reduce-scattering in it, as ours does."""
+
+    def __init__(self, module: TransformerLM, compute_dtype: torch.dtype):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # here: a slow import
+
+        super().__init__()
+        with torch.no_grad():  # ranks start apart; ours and DDP broadcast rank 0's weights, fully_shard does not
+            for tensor in itertools.chain(module.parameters(), module.buffers()):
+                dist.broadcast(tensor, src=0)
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=compute_dtype)
+        for block in module.blocks:
+            fully_shard(block, mp_policy=policy)
+        self.module = fully_shard(module, mp_policy=policy)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Nothing left to do: FSDP2 waits for its reduce-scatters at the end of backward."""
+
+
+def train(spec: TrainSpec, then: Callable[..., dict] | None = None) -> dict:
     """Train data-parallel on this rank (or alone without a process group); return its measurements.
 
     Returns per-step losses averaged over ranks (warm-up steps included), per-phase seconds of
     each timed step, this rank's optimizer-state bytes and, on a GPU, peak memory in MiB: during
-    construction, and in the last step before and during the optimizer step.
+    construction, and in the last step before and during the optimizer step. `then(model, step)`, given
+    the wrapped model and a function that runs one more whole step (on the last batch), adds to the result.
     """
     rank = Rank.current(spec.variant)
     torch.manual_seed(spec.seed + rank.index)  # ranks start apart; the wrapper broadcasts rank 0's weights
     memory = PeakMemory(rank.device)
-    config = get_config(spec.preset, context_length=spec.context)
+    config = spec.config()
     precision = get_precision(spec.precision)
     model = wrap(make_model(config, rank.device, precision), spec, rank.device)
-    optimizer = build_optimizer(model.module, spec)
+    optimizer = build_optimizer(model, spec)
     memory.mark("construction")
     losses, clocks = [], []
     for tokens, targets in rank_batches(config, spec, rank):
@@ -141,6 +182,11 @@ def train(spec: TrainSpec) -> dict:
               "seconds": phase_seconds(clocks[spec.warmup:]), "state_bytes": optimizer_state_bytes(optimizer)}
     if rank.device.type == "cuda":
         result["memory_mb"] = memory.mb
+    if isinstance(model, FSDP):
+        result["seconds"]["gather_wait"] = model.gather_wait.seconds()[spec.warmup:]
+        result["peak_gathered_bytes"] = model.gathered.peak
+    if then is not None:
+        result |= then(model, lambda: timed_step(model, optimizer, tokens, targets, precision, memory))
     return result
 
 
@@ -151,10 +197,18 @@ def wrap(model: nn.Module, spec: TrainSpec, device: torch.device) -> nn.Module:
     if spec.variant == "torch":
         return TorchDDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                         bucket_cap_mb=spec.bucket_size_mb)
+    compute = get_precision(spec.precision).compute
+    if spec.variant == "fsdp":
+        return FSDP(model, compute_dtype=compute)
+    if spec.variant == "fsdp2":
+        return TorchFSDP2(model, compute)
     return make_ddp(spec.variant, model, spec.bucket_size_mb if spec.variant == "bucketed" else None)
 
 
 def build_optimizer(model: nn.Module, spec: TrainSpec) -> torch.optim.Optimizer:
+    """The optimizer over what the wrapper `model` steps: the module's parameters, or FSDP's shards."""
+    if spec.variant == "fsdp2":  # its parameters are DTensors, which torch's AdamW steps
+        return torch.optim.AdamW(model.parameters(), lr=spec.lr)
     if spec.optimizer == "sharded":
         return ShardedOptimizer(model.parameters(), AdamW, lr=spec.lr)
     if spec.optimizer == "zero":
@@ -223,12 +277,21 @@ def main(argv: list[str] | None = None) -> None:
         print_result(result)
 
 
+def _blocks_per_level(text: str) -> tuple[int, ...]:
+    """--checkpoint 6,1: segments of 6 blocks, each recomputed as segments of 1; an empty string: none."""
+    return tuple(int(k) for k in text.split(",") if k.strip())
+
+
+OPTION_TYPES = {"checkpoint": _blocks_per_level, "loss_chunk": int}  # fields whose default's type parses nothing
+
+
 def parse_args(argv: list[str] | None) -> tuple[str, TrainSpec]:
     """The process-group backend and a TrainSpec, one option per field (--bucket-size-mb for bucket_size_mb)."""
     parser = argparse.ArgumentParser(description="Data-parallel training under torchrun (env:// rendezvous).")
     parser.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo")
     for field in dataclasses.fields(TrainSpec):
-        parser.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
+        parser.add_argument(f"--{field.name.replace('_', '-')}", type=OPTION_TYPES.get(field.name, type(field.default)),
+                            default=field.default)
     args = vars(parser.parse_args(argv))
     backend = args.pop("backend")
     return backend, TrainSpec(**args)

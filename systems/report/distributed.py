@@ -1,12 +1,12 @@
 """The tables of the distributed benchmarks: all-reduce, data-parallel steps with the bucket model beside the
-bucket-size sweep, and the sharded optimizer's memory."""
+bucket-size sweep, FSDP beside DDP, and the sharded optimizer's memory."""
 
 from __future__ import annotations
 
 import math
 
 from systems.accounting import BucketedAllReduce, count_parameters, fit_bucketed_allreduce
-from systems.bench.schema import DDP_TIMINGS, DDP_VARIANTS, seconds_key
+from systems.bench.schema import DDP_TIMINGS, DDP_VARIANTS, FSDP_TIMINGS, FSDP_VARIANTS, seconds_key
 from systems.model import get_config
 from systems.precision import get_precision
 from systems.report.markdown import Table, batch_sizes, ms, number, order, sorted_by
@@ -43,15 +43,20 @@ def _allreduce_figures(r: Result) -> list[str]:
             + [number(r.get(k)) for k in ("algbw_gbps", "busbw_gbps", "bare_busbw_gbps", "loop_vs_bare")])
 
 
+def _training_steps(run: Run, module: str, test: str, keys: list[str],
+                    variants: tuple[str, ...]) -> tuple[list[Result], list[dict]]:
+    """A training bench's results, sorted by `keys` with the variants in their table order, and its OOM points."""
+    rank = {variant: i for i, variant in enumerate(variants)}
+    results = sorted(run.select(module, test), key=lambda r: tuple(
+        order(rank.get(r.get(k), r.get(k)) if k == "variant" else r.get(k)) for k in keys))
+    return results, run.oom(module, test)
+
+
 def ddp_tables(run: Run) -> list[Table]:
-    results = run.select("bench_ddp", "test_ddp_step")
-    oom = run.oom("bench_ddp", "test_ddp_step")
+    keys = ["precision", "context", "world_size", "variant", "bucket_size_mb"]
+    results, oom = _training_steps(run, "bench_ddp", "test_ddp_step", keys, DDP_VARIANTS)
     if not results and not oom:
         return []
-    keys = ["precision", "context", "world_size", "variant", "bucket_size_mb"]
-    rank = {variant: i for i, variant in enumerate(DDP_VARIANTS)}
-    results = sorted(results, key=lambda r: tuple(order(rank.get(r.get(k), r.get(k)) if k == "variant"
-                                                         else r.get(k)) for k in keys))
     batch = batch_sizes(results, "batch_size_per_rank")
     steps = Table("ddp", f"Data-parallel training step{batch} per rank (ms; mean over ranks of their medians)",
                   ["precision", "context", "ranks", "variant", "bucket MiB", "step", "forward", "backward",
@@ -103,6 +108,31 @@ def _bucket_model(run: Run, step: Result) -> BucketedAllReduce | None:
     return fit_bucketed_allreduce(backward_seconds=single[0].get(seconds_key("backward")),
                                   param_bytes=grad_bytes * params, world_size=step.get("world_size"),
                                   allreduces=allreduces)
+
+
+def fsdp_tables(run: Run) -> list[Table]:
+    keys = ["preset", "precision", "context", "world_size", "variant"]
+    results, oom = _training_steps(run, "bench_fsdp", "test_fsdp_step", keys, FSDP_VARIANTS)
+    if not results and not oom:
+        return []
+    table = Table("fsdp", f"FSDP beside DDP: training step{batch_sizes(results)} per rank (ms; mean over ranks of "
+                          "their medians) and peak memory (MiB, the largest rank's)",
+                  ["preset", "precision", "context", "ranks", "variant", "step", "forward", "backward", "comm wait",
+                   "optimizer", "all-gather wait", "vs single", "TFLOP/s per GPU", "peak", "predicted peak",
+                   "peak / predicted", "gathered weights"],
+                  note="fsdp is ours, fsdp2 torch's fully_shard; the all-gather wait is the time the compute stream "
+                       "waited for all-gathers that prefetching did not hide. Predicted peaks: "
+                       "systems.accounting.fsdp_memory for ours, peak_memory for one process and DDP.")
+    for r in results:
+        peak = max((r.get(k) for k in r.fields if k.startswith("memory_") and k.endswith("_mb")), default=None)
+        predicted = r.get("predicted_peak_mb")
+        table.rows.append([number(r.get(k)) for k in keys] + [ms(r.get(seconds_key(t))) for t in FSDP_TIMINGS]
+                          + [number(r.get(k)) for k in ("vs_single", "tflops")]
+                          + [number(peak), number(predicted),
+                             "" if peak is None or not predicted else f"{peak / predicted:.2f}",
+                             number(r.get("peak_gathered_mb"))])
+    table.rows += [[number(point.get(k)) for k in keys] + ["OOM"] + [""] * 11 for point in oom]
+    return [table]
 
 
 def optimizer_tables(run: Run) -> list[Table]:

@@ -49,6 +49,11 @@ def build_plots(run: Run, out: Path) -> list[Path]:
         lambda r: f"{r.get('precision')} context {r.get('context')}, {r.get('world_size')} ranks",
         [("step (ms)", lambda r: r.seconds * 1e3),
          ("comm wait (ms)", lambda r: ms_or_none(r.get(seconds_key("comm_wait"))))])))
+    figures.append(("checkpointing", "Activation checkpointing: step time against activation memory, a point per "
+                    "scheme", "activation MiB", _panels(
+        run.select("bench_checkpoint", "test_checkpoint"), "activation_mb",
+        lambda r: " ".join(str(r.get(k)) for k in ("preset", "batch", "context", "precision", "attention")),
+        [("step (ms)", lambda r: r.mean * 1e3)])))
     return [path for figure in figures if (path := _plot(plt, out, *figure)) is not None]
 
 

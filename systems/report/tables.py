@@ -5,21 +5,21 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from systems.accounting import peak_memory
-from systems.bench.schema import ATTENTION_PASSES, MODEL_PHASES
+from systems.accounting import checkpoint_levels, model_state, peak_memory
+from systems.bench.schema import ATTENTION_PASSES, MODEL_PHASES, scheme_name
 from systems.model import get_config
 from systems.precision import get_precision
-from systems.report.distributed import allreduce_tables, ddp_tables, optimizer_tables
-from systems.report.markdown import Table, batch_sizes, cell, mib, ms, ms_pm, number, pivot, sorted_by
+from systems.report.distributed import allreduce_tables, ddp_tables, fsdp_tables, optimizer_tables
+from systems.report.markdown import Table, batch_sizes, cell, mib, ms, ms_pm, number, order, pivot, sorted_by
 from systems.report.runs import Result, Run
 
 REGRESSION = 1.10  # a time this much above the baseline's is flagged
-KNOWN_MODULES = {"bench_model", "bench_attention", "bench_allreduce", "bench_ddp"}
+KNOWN_MODULES = {"bench_model", "bench_attention", "bench_allreduce", "bench_ddp", "bench_checkpoint", "bench_fsdp"}
 
 
 def build_tables(run: Run) -> list[Table]:
     return (model_tables(run) + warmup_tables(run) + attention_tables(run) + allreduce_tables(run)
-            + ddp_tables(run) + optimizer_tables(run) + other_tables(run))
+            + ddp_tables(run) + fsdp_tables(run) + optimizer_tables(run) + checkpoint_tables(run) + other_tables(run))
 
 
 def model_tables(run: Run) -> list[Table]:
@@ -134,6 +134,80 @@ def attention_tables(run: Run) -> list[Table]:
         tables.append(table)
     return tables
 
+
+
+def checkpoint_tables(run: Run) -> list[Table]:
+    """Memory against time for each checkpointing scheme, beside no checkpointing; the longest context trained."""
+    keys = ["preset", "batch", "context", "precision", "attention"]
+    grid = defaultdict(dict)  # setting: {scheme name: result, or "OOM"}
+    for r in run.select("bench_checkpoint", "test_checkpoint"):
+        grid[tuple(r.get(k) for k in keys)][scheme_name(r.get("scheme"), r.get("blocks"))] = r
+    for point in run.oom("bench_checkpoint", "test_checkpoint"):
+        grid[tuple(point[k] for k in keys)].setdefault(scheme_name(point["scheme"], point["blocks"]), "OOM")
+    table = Table("checkpointing", "Activation checkpointing: an AdamW training step per scheme (ms, MiB; OOM: out "
+                                   "of memory, with the accounting's prediction)",
+                  keys + ["scheme", "segments", "step", "step vs none", "peak", "predicted peak", "activation",
+                          "predicted activation", "activation vs none", "recomputed TFLOP"],
+                  note="Activation memory: the peak less the weights, buffers and AdamW state a step starts with.")
+    for key in sorted(grid, key=lambda key: tuple(map(order, key))):
+        row = grid[key]
+        none = row.get("none")
+        for name in sorted(row, key=_scheme_order):
+            entry = row[name]
+            if entry == "OOM":
+                table.rows.append([number(k) for k in key] + [name, "", "OOM", ""] + _predicted_step(key, name))
+                continue
+            memory = [_mib(entry.get(k)) for k in ("peak_memory_mb", "predicted_peak_mb", "activation_mb",
+                                                   "predicted_activation_mb")]
+            segments = "x".join(map(str, entry.get("checkpoint")))
+            table.rows.append([number(k) for k in key] + [name, segments, ms(entry.mean),
+                                                          _ratio(entry, none, lambda r: r.mean)]
+                              + memory + [_ratio(entry, none, lambda r: r.get("activation_mb")),
+                                          number(entry.get("recomputed_tflop"))])
+    tables = [table] if table.rows else []
+
+    searches = sorted(run.select("bench_checkpoint", "test_largest_context"),
+                      key=lambda r: (*(order(r.get(k)) for k in ("preset", "batch", "precision", "attention")),
+                                     _scheme_order(scheme_name(r.get("scheme"), r.get("blocks")))))
+    if searches:
+        search = Table("largest_context", "Longest context that trains (doubling until out of memory), beside the "
+                                          "accounting's longest on an 80 GB H100",
+                       ["preset", "batch", "precision", "attention", "scheme", "longest trained", "first OOM",
+                        "predicted longest", "step at the longest (ms)", "peak (MiB)"])
+        search.rows = [[number(r.get(k)) for k in ("preset", "batch", "precision", "attention")]
+                       + [scheme_name(r.get("scheme"), r.get("blocks"))]
+                       + [number(r.get(k)) for k in ("largest_context", "first_oom_context",
+                                                     "predicted_largest_context")]
+                       + [ms(r.mean), _mib(r.get("peak_memory_mb"))] for r in searches]
+        tables.append(search)
+    return tables
+
+
+def _scheme_order(name: str) -> tuple:
+    return (name != "none", name == "nested", int(name.removeprefix("every")) if name.startswith("every") else 0)
+
+
+def _mib(value: float | None) -> str:
+    return "" if value is None else f"{value:,.0f}"
+
+
+def _ratio(result: Result, baseline, figure) -> str:
+    if not isinstance(baseline, Result) or figure(result) is None or not figure(baseline):
+        return ""
+    return f"{figure(result) / figure(baseline):.3f}"
+
+
+def _predicted_step(key: tuple, name: str) -> list[str]:
+    """The accounting's peak and activation memory of a point that ran out of memory, in MiB."""
+    preset, batch, context, precision, attention = key
+    precision = get_precision(precision)
+    config = get_config(preset, attention=attention, context_length=context)
+    scheme, blocks = ("blocks", int(name.removeprefix("every"))) if name.startswith("every") else (name, None)
+    levels = checkpoint_levels(scheme, config, batch, context, precision, blocks=blocks)
+    peak = peak_memory(get_config(preset, attention=attention, context_length=context, checkpoint=levels), batch,
+                       context, precision).train_step
+    state = model_state(config, precision).training
+    return ["", mib(peak), "", mib(peak - state), "", ""]
 
 
 def other_tables(run: Run) -> list[Table]:

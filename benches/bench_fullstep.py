@@ -1,0 +1,128 @@
+"""A whole training step (forward, cross-entropy, backward, AdamW) with its levers, timed as the course's 2026
+leaderboard times it: issue 16's 8.1B model at context 32768 on two GPUs.
+
+The issue's point on 2 x H200 (one sequence per GPU, batch 2 in all):
+
+    pytest benches/bench_fullstep.py --fullstep-preset leaderboard-2026 --contexts 32768 --batch-size 1 \\
+        --world-sizes 2 --precisions bf16 --checkpoint-blocks 1 --loss-chunk 4096 --attention sdpa
+
+The CPU default is the same shape made tiny (`leaderboard-2026-tiny`, context 128) on 2 gloo ranks, so CI runs
+the code path in seconds. Levers: --fullstep-variant (default our FSDP, whose optimizer is systems AdamW,
+fused on CUDA), --checkpoint-blocks (segments of k blocks recomputed in the backward; empty: none), --loss
+(chunked, --loss-chunk tokens at a time, or full) and --attention (naive, sdpa, flash).
+
+Each point trains through systems.parallel.train.train in spawned ranks (bench_ddp's machinery):
+pytest-benchmark's rounds are its timed steps, as long as their slowest rank. On a GPU each rank then times
+more whole steps with `triton.testing.do_bench` (median), as the leaderboard does. extra_info: the step and
+its phases (bench_ddp's), `do_bench_s`, TFLOP/s and MFU per GPU against model FLOPs (Flops.flash_step: the
+leaderboard's count, recomputation left out), tokens/s, peak memory per rank (`peak_memory_mb_per_rank`) and
+`cold_start_s`: from this pytest process's start to the end of the point's timed job. For a cold run as the
+leaderboard's, give it an empty TRITON_CACHE_DIR and run this point alone.
+
+nsys splits the step: NVTX ranges `forward`, `backward`, `optimizer_step` (systems.step), one per all-gather
+and reduce-scatter (systems.parallel.collectives), `loss` and `loss_recompute` (systems.loss):
+`nsys profile -t cuda,nvtx,nccl --capture-range=none -o fullstep pytest benches/bench_fullstep.py ...`.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+
+import torch
+import torch.distributed as dist
+from bench_ddp import BACKEND, mean_of_medians, record_memory, train_in_ranks
+
+from systems.accounting import flops, recomputed_flops
+from systems.bench.schema import FSDP_TIMINGS, POINT, FullStepPoint, seconds_key
+from systems.bench.timing import record_throughput
+from systems.parallel.train import TrainSpec
+from systems.precision import get_precision
+
+# do_bench runs as many steps as fit in its time budgets, as each rank measures them; every rank must run the
+# same number (a step is collectives), so the budgets sit halfway between step counts of the agreed step time.
+DO_BENCH_WARMUP, DO_BENCH_REPEATS = 1, 3
+
+
+def fullstep_grid(config) -> list[FullStepPoint]:
+    opt = config.getoption
+    chunk = opt("loss_chunk") if opt("loss") == "chunked" else None
+    variant = opt("fullstep_variant")
+    return [FullStepPoint(variant, opt("fullstep_preset"), get_precision(precision), context, opt("batch_size"),
+                          1 if variant == "single" else world_size, opt("attention"), blocks, chunk)
+            for precision in opt("precisions") for context in opt("contexts") for world_size in opt("world_sizes")
+            for blocks in opt("checkpoint_blocks") or [None]]
+
+
+def pytest_generate_tests(metafunc):
+    if "fullstep_point" in metafunc.fixturenames:
+        metafunc.parametrize("fullstep_point", list(dict.fromkeys(fullstep_grid(metafunc.config))), ids=str)
+
+
+def leaderboard_timing(model, step) -> dict:
+    """`step()` (one whole training step) timed by triton.testing.do_bench, median seconds; on a GPU only."""
+    if not torch.cuda.is_available():
+        return {}
+    from triton.testing import do_bench  # here: triton is a GPU dependency of this timing only
+
+    ms = _agreed_step_ms(step)
+    return {"do_bench_s": do_bench(step, warmup=(DO_BENCH_WARMUP + 0.5) * ms, rep=(DO_BENCH_REPEATS + 0.5) * ms,
+                                   return_mode="median") / 1e3}
+
+
+def _agreed_step_ms(step) -> float:
+    """One step's milliseconds, the slowest rank's, the same on every rank."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    step()
+    end.record()
+    torch.cuda.synchronize()
+    ms = torch.tensor([start.elapsed_time(end)], device="cuda")
+    if dist.is_initialized():
+        dist.all_reduce(ms, op=dist.ReduceOp.MAX)
+    return ms.item()
+
+
+def seconds_since_process_start() -> float | None:
+    """Wall seconds since this process started (Linux's /proc); None elsewhere."""
+    try:
+        stat = pathlib.Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(pathlib.Path("/proc/uptime").read_text().split()[0])
+    except OSError:
+        return None
+    return uptime - int(stat[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in clock ticks after boot
+
+
+def spec_of(point: FullStepPoint, request) -> TrainSpec:
+    opt = request.config.getoption
+    return TrainSpec(preset=point.preset, variant=point.variant, precision=point.precision.name,
+                     batch_size=point.batch_size, context=point.context, warmup=opt("warmup_steps"),
+                     steps=opt("rounds"), attention=point.attention,
+                     checkpoint=() if point.checkpoint_blocks is None else (point.checkpoint_blocks,),
+                     loss_chunk=point.loss_chunk)
+
+
+def test_fullstep(benchmark, fullstep_point, rank_pools, request, device, skip_on_oom):
+    point = fullstep_point
+    benchmark.group = f"fullstep-{point.preset}-{point.precision.name}-ctx{point.context}"
+    spec = spec_of(point, request)
+    info = benchmark.extra_info
+    info[POINT] = point.to_dict()
+    with skip_on_oom:
+        ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec, leaderboard_timing)
+    info["cold_start_s"] = seconds_since_process_start()
+    info.update(backend=BACKEND, **{seconds_key(t): mean_of_medians(ranks, t) for t in FSDP_TIMINGS
+                                    if t in ranks[0]["seconds"]})
+    step = info[seconds_key("step")]
+    if "do_bench_s" in ranks[0]:
+        info["do_bench_s"] = max(rank["do_bench_s"] for rank in ranks)
+        step = info["do_bench_s"]
+    info["tokens_per_s"] = point.world_size * point.batch_size * point.context / step
+    config = spec.config()
+    model = flops(config, point.batch_size, point.context)
+    info.update(step_pflop=point.world_size * model.flash_step / 1e15,
+                recomputed_tflop=recomputed_flops(config, point.batch_size, point.context).forward / 1e12)
+    record_throughput(benchmark, seconds=step, flops=model.flash_step, device=device, precision=point.precision)
+    record_memory(benchmark, ranks)
+    if "memory_mb" in ranks[0]:
+        info["peak_memory_mb_per_rank"] = [max(rank["memory_mb"].values()) for rank in ranks]

@@ -1,0 +1,113 @@
+"""The language model's loss: mean cross-entropy of next-token targets, from the whole logits or a chunk of
+tokens at a time.
+
+`cross_entropy(logits, targets)` takes logits the LM head has made. `chunked_cross_entropy(hidden, weight,
+targets, chunk)` is the LM head and the loss in one: it makes the logits of `chunk` tokens at a time and keeps
+none of them. The backward makes each chunk's logits again from what the forward saved (the hidden states,
+the weight and each row's log-sum-exp), so a step holds one chunk's logits instead of all of them: at a long
+context these are the largest tensors of the step (vocab / d_model times the residual stream). The matmuls run
+in the compute dtype (autocast's, else the hidden states'); the softmax is fp32 whatever that is.
+
+`LMHead` is a Linear whose forward takes the targets too and then returns the loss, so the loss runs inside one
+call of the head module: a wrapper that gathers the weight around that call (systems.parallel.fsdp) has it
+for the loss, and its saved-tensor hooks see the weight this function saves.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from systems.device import nvtx_range
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-likelihood, stable for large logits: log-sum-exp with the max taken out."""
+    # logits: (..., vocab), targets: (...)
+    _check_targets(targets)
+    logits = logits.float()
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    log_norm = shifted.exp().sum(dim=-1).log()
+    target_logit = shifted.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return (log_norm - target_logit).mean()
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                          chunk: int) -> torch.Tensor:
+    """cross_entropy(hidden @ weight.T, targets), `chunk` tokens at a time, never holding more logits than those.
+
+    hidden: (..., d_model), weight: (vocab, d_model), targets: (...)."""
+    _check_targets(targets)
+    if chunk < 1:
+        raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")
+    device = hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    with torch.autocast(device, enabled=False):  # the casts are explicit, the same in the backward
+        return _ChunkedCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(), chunk, dtype)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, chunk, dtype):
+        # hidden: (tokens, d_model), targets: (tokens,)
+        log_norm = hidden.new_empty(len(targets), dtype=torch.float32)
+        losses = torch.empty_like(log_norm)
+        cast = weight.to(dtype)
+        for rows in _chunks(len(targets), chunk):
+            logits = _logits(hidden[rows], cast)  # (chunk, vocab) fp32
+            log_norm[rows] = torch.logsumexp(logits, dim=-1)
+            losses[rows] = log_norm[rows] - logits.gather(-1, targets[rows, None]).squeeze(-1)
+        ctx.save_for_backward(hidden, weight, targets, log_norm)
+        ctx.chunk, ctx.dtype = chunk, dtype
+        return losses.mean()
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight, targets, log_norm = ctx.saved_tensors
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)  # summed over chunks in fp32
+        scale = grad / len(targets)
+        cast = weight.to(ctx.dtype)
+        for rows in _chunks(len(targets), ctx.chunk):
+            with nvtx_range("loss_recompute"):
+                logits = _logits(hidden[rows], cast)
+            # d(loss of a row) / d(its logits) = softmax - one-hot of its target
+            probs = logits.sub_(log_norm[rows, None]).exp_()
+            probs[torch.arange(len(probs), device=probs.device), targets[rows]] -= 1
+            grad_logits = probs.mul_(scale).to(ctx.dtype)
+            grad_hidden[rows] = grad_logits @ cast
+            grad_weight.add_(grad_logits.T @ hidden[rows].to(ctx.dtype))
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+
+
+def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """(rows, vocab) fp32 logits of the rows, the matmul in the weight's dtype."""
+    return (hidden.to(weight.dtype) @ weight.T).float()
+
+
+def _chunks(tokens: int, chunk: int):
+    for start in range(0, tokens, chunk):
+        yield slice(start, min(start + chunk, tokens))
+
+
+def _check_targets(targets: torch.Tensor) -> None:
+    if targets.numel() == 0:
+        raise ValueError(f"cross_entropy needs at least one target to average over, got targets of shape "
+                         f"{tuple(targets.shape)}")
+
+
+class LMHead(nn.Linear):
+    """The LM head: forward(hidden) -> logits (..., vocab); forward(hidden, targets, chunk) -> the mean
+    cross-entropy, whole (chunk None) or `chunk` tokens at a time."""
+
+    def __init__(self, d_model: int, vocab_size: int):
+        super().__init__(d_model, vocab_size, bias=False)
+
+    def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None,
+                chunk: int | None = None) -> torch.Tensor:
+        if targets is None:
+            return super().forward(hidden)
+        with nvtx_range("loss"):
+            if chunk is None:
+                return cross_entropy(super().forward(hidden), targets)
+            return chunked_cross_entropy(hidden, self.weight, targets, chunk)

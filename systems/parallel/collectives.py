@@ -1,0 +1,110 @@
+"""The collectives FSDP is built from, asynchronous, with averaging whose rounding one process can reproduce;
+and a clock for the time the compute stream spends waiting on them.
+
+Under NCCL each is one library call on NCCL's stream (`ReduceOp.AVG`: NCCL premultiplies by 1/N and sums,
+which on 2 ranks is exactly (a + b) / 2). Gloo's reduce-scatter and all-reduce sum in ring order, which
+differs from chunk to chunk, so under gloo (CPU, where overlap buys nothing) a reduction moves every rank's
+contribution to where it is summed (all-to-all, or all-gather) and sums them there in rank order, then
+divides by N: the same arithmetic as one process accumulating per-rank gradients in rank order, at any
+number of ranks. Torch 2.13 renamed the tensor collectives (`all_gather_single`, `reduce_scatter_single`)
+and warns on the old names; the GPU image's torch has only the old ones.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from systems.device import nvtx_range
+
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+class Pending:
+    """An asynchronous collective and what completes it once it has arrived (the rank-ordered sum under gloo)."""
+
+    def __init__(self, work: dist.Work, then: Callable[[], None] | None = None):
+        self.work, self.then = work, then
+
+    def wait(self) -> None:
+        self.work.wait()
+        if self.then is not None:
+            self.then()
+            self.then = None
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, name: str) -> Pending:
+    """Every rank's `shard`, equal sizes, concatenated in rank order into `output`."""
+    with nvtx_range(f"all_gather {name}"):
+        return Pending(_all_gather_single(output, shard, async_op=True))
+
+
+def reduce_scatter_mean(output: torch.Tensor, full: torch.Tensor, name: str) -> Pending:
+    """This rank's chunk of the mean over ranks of `full` (world_size chunks the size of `output`)."""
+    with nvtx_range(f"reduce_scatter {name}"):
+        if dist.get_backend() == "nccl":
+            return Pending(_reduce_scatter_single(output, full, op=dist.ReduceOp.AVG, async_op=True))
+        chunks = torch.empty_like(full)  # chunk r: rank r's part of this rank's chunk
+        work = dist.all_to_all_single(chunks, full, async_op=True)
+        return Pending(work, lambda: _mean_in_rank_order(chunks.view(dist.get_world_size(), -1), output))
+
+
+def all_reduce_mean(tensor: torch.Tensor, name: str) -> Pending:
+    """`tensor` averaged over the ranks, in place."""
+    with nvtx_range(f"all_reduce {name}"):
+        if dist.get_backend() == "nccl":
+            return Pending(dist.all_reduce(tensor, op=dist.ReduceOp.AVG, async_op=True))
+        rows = tensor.new_empty(dist.get_world_size() * tensor.numel())
+        work = _all_gather_single(rows, tensor, async_op=True)
+        return Pending(work, lambda: _mean_in_rank_order(rows.view(dist.get_world_size(), -1), tensor))
+
+
+def _mean_in_rank_order(rows: torch.Tensor, out: torch.Tensor) -> None:
+    """out = (rows[0] + rows[1] + ... ) / len(rows), added one row at a time."""
+    out.copy_(rows[0])
+    for row in rows[1:]:
+        out.add_(row)
+    out.div_(len(rows))
+
+
+class WaitClock:
+    """Seconds the compute stream spent waiting on collectives, per lap (a training step).
+
+    On a GPU a CUDA event on each side of the wait, read only when asked for the seconds, so no host sync:
+    the time between them is how long the stream stalled for data that had not arrived. On a CPU the
+    wall clock around the blocking wait.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._waits, self._laps = [], []
+
+    def wait(self, pending: Pending) -> None:
+        if self.device.type != "cuda":
+            start = time.perf_counter()
+            pending.wait()
+            self._waits.append(time.perf_counter() - start)
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        pending.wait()
+        end.record()
+        self._waits.append((start, end))
+
+    def lap(self) -> None:
+        self._laps.append(self._waits)
+        self._waits = []
+
+    def seconds(self) -> list[float]:
+        """The waiting of each lap since the last call, summed."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            laps = [sum(start.elapsed_time(end) for start, end in waits) / 1e3 for waits in self._laps]
+        else:
+            laps = [sum(waits) for waits in self._laps]
+        self._laps = []
+        return laps

@@ -1,0 +1,341 @@
+"""Fully-sharded data parallelism: every rank keeps 1/N of each Linear and Embedding weight and gathers a
+layer's full weight only while that layer computes.
+
+`FSDP(module, compute_dtype=None, shard_policy=linear_or_embedding)` broadcasts rank 0's parameters and
+buffers, then replaces the weight of every module the policy picks (by default any module whose class is,
+or derives from, a class named `Linear` or `Embedding`: torch's, or another codebase's own) by this rank's
+flat shard: elements [rank * c, (rank + 1) * c) of the flattened weight, c = ceil(numel / N), so the last
+ranks' shards may be shorter or empty. A weight two modules share (tied embedding and LM head) is one shard.
+Other parameters (norm gains, biases) stay whole on every rank. A step is `loss = f(fsdp(x));
+loss.backward(); fsdp.finish_gradient_synchronization(); optimizer.step()` with the optimizer over
+`fsdp.parameters()`: the shards and the replicated parameters.
+
+Forward: before a sharded module runs its full weight is all-gathered (cast to `compute_dtype` first, so
+the gather moves compute-dtype bytes; the fp32 shards stay the masters), and the all-gather of the module
+that ran after it in the previous forward is issued, so it overlaps this module's compute: a layer's
+gather starts as the layer two before it finishes. Float inputs of a sharded module are cast to
+`compute_dtype` too. After the module, its full weight is dropped: autograd does not keep it, because
+while the wrapped module runs a saved-tensors hook stands a placeholder in for any tensor that lives in a
+gathered weight's storage. Backward: a placeholder gathers the weight again (the one that backward needs
+next is prefetched, in the reverse of the forward's order) and the weight is dropped once every saved view
+of it has been used. A weight's gradient, summed over its uses, is reduce-scattered (averaged) in the
+compute dtype as soon as it is complete, with at most `REDUCE_SCATTERS_IN_FLIGHT` in flight; each rank adds
+its chunk to its shard's `.grad` in the shard's own dtype. `finish_gradient_synchronization()` waits for
+the last reduce-scatters and all-reduces (averages) the replicated parameters' gradients, so they are
+identical on every rank.
+
+Every rank must run the same sharded modules in the same order (as with torch's FSDP): the gathers are
+collectives. Autocast makes its own low-precision copy of an fp32 weight, which autograd then keeps; give
+`compute_dtype` instead, and the gathered weight is already in it. `gathered` (bytes of gathered weights
+alive, and their peak) and `gather_wait` (the time the compute stream waited on all-gathers,
+systems.parallel.collectives.WaitClock) are what the benchmark measures.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import deque
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from systems.parallel.collectives import WaitClock, all_gather, all_reduce_mean, reduce_scatter_mean
+
+SHARDED_CLASS_NAMES = ("Linear", "Embedding")
+REDUCE_SCATTERS_IN_FLIGHT = 2  # a waited reduce-scatter frees its full-size gradient
+
+
+def linear_or_embedding(module: nn.Module) -> bool:
+    """The default shard policy: a class named Linear or Embedding (or derived from one) with a `weight` parameter."""
+    return (any(cls.__name__ in SHARDED_CLASS_NAMES for cls in type(module).__mro__)
+            and isinstance(module._parameters.get("weight"), nn.Parameter))
+
+
+class _Unit:
+    """One sharded weight: this rank's flat shard, and while gathered the full (world * chunk,) buffer."""
+
+    def __init__(self, name: str, weight: nn.Parameter, compute_dtype: torch.dtype | None):
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.name, self.shape, self.numel = name, weight.shape, weight.numel()
+        self.chunk = math.ceil(self.numel / world)
+        start = min(rank * self.chunk, self.numel)
+        stop = min(start + self.chunk, self.numel)
+        self.shard = nn.Parameter(weight.detach().reshape(-1)[start:stop].clone(), requires_grad=weight.requires_grad)
+        self.dtype = compute_dtype or weight.dtype
+        self.modules: list[nn.Module] = []
+        self.flat: torch.Tensor | None = None
+        self.gathering = None  # the Pending all-gather into `flat`
+        self.use = -1  # index of its latest use in the forward
+        self.saved = 0  # views of the gathered weight autograd keeps and backward has not yet asked for
+        self.uses = 0  # forward uses whose gradient has not yet arrived
+        self.grad: torch.Tensor | None = None  # full-weight gradient, summed over the uses so far
+
+    def padded(self, values: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
+        """Flat `values` in `dtype`, zero-padded to `size`: no copy where they already are that."""
+        if values.numel() == size:
+            return values.to(dtype)
+        padded = values.new_zeros(size, dtype=dtype)
+        padded[:values.numel()] = values
+        return padded
+
+    def add_to_grad(self, chunk: torch.Tensor) -> None:
+        grad = chunk[:self.shard.numel()].to(self.shard.dtype)
+        self.shard.grad = grad if self.shard.grad is None else self.shard.grad + grad
+
+
+class _GatheredWeight(torch.autograd.Function):
+    """The full weight as a view of the gathered buffer, in the graph of its shard: the gradient goes to
+    FSDP, which reduce-scatters it, instead of to the shard."""
+
+    @staticmethod
+    def forward(ctx, shard, flat, unit, fsdp):
+        ctx.unit, ctx.fsdp = unit, fsdp
+        return flat[:unit.numel].view(unit.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.fsdp._on_gradient(ctx.unit, grad)
+        return None, None, None, None
+
+
+class _SavedView:
+    """What autograd keeps in place of a view of a gathered weight: enough to rebuild it from a new gather."""
+
+    def __init__(self, unit: _Unit, tensor: torch.Tensor):
+        self.unit, self.geometry = unit, (tensor.size(), tensor.stride(), tensor.storage_offset())
+
+
+class GatheredMemory:
+    """Bytes of gathered weights FSDP holds now, and the most it held at once. Autograd holds none of them
+    (placeholders stand in), so once FSDP lets one go the allocator has it back; a collective's work object
+    may keep its buffer a moment longer, which is why this counts what FSDP holds rather than live storage."""
+
+    def __init__(self):
+        self.bytes = self.peak = 0
+
+    def add(self, tensor: torch.Tensor) -> None:
+        self.bytes += tensor.nbytes
+        self.peak = max(self.peak, self.bytes)
+
+    def remove(self, tensor: torch.Tensor) -> None:
+        self.bytes -= tensor.nbytes
+
+
+class FSDP(nn.Module):
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
+                 shard_policy: Callable[[nn.Module], bool] = linear_or_embedding):
+        super().__init__()
+        self.module, self.compute_dtype = module, compute_dtype
+        self.world_size = dist.get_world_size()
+        with torch.no_grad():
+            for tensor in itertools.chain(module.parameters(), module.buffers()):
+                dist.broadcast(tensor, src=0)
+        names = {param: name for name, param in module.named_parameters()}
+        units: dict[nn.Parameter, _Unit] = {}
+        for submodule in dict.fromkeys(m for m in module.modules() if shard_policy(m)):
+            weight = submodule._parameters.pop("weight")
+            units.setdefault(weight, _Unit(names[weight], weight, compute_dtype)).modules.append(submodule)
+            submodule.weight = None  # set to the gathered weight while the module runs
+            submodule.register_forward_pre_hook(self._before)
+            submodule.register_forward_hook(self._after)
+        self.units = list(units.values())
+        self.shards = nn.ParameterList(unit.shard for unit in self.units)  # first in parameters()
+        self._unit_of = {m: unit for unit in self.units for m in unit.modules}
+        # The wrapped module's own names, in its order: a sharded weight, or a replicated parameter.
+        self._named = [(name, units.get(param, param)) for param, name in names.items()]
+        self._replicated = [p for p in module.parameters() if p.requires_grad]
+        self._storages: dict[int, _Unit] = {}  # gathered buffer's storage -> its unit, for the saved-tensor hooks
+        self._uses: list[_Unit] = []  # this forward's sharded-module calls, in order
+        self._order: list[_Unit] = []  # the last forward's: what forward and backward prefetch from
+        self._saving: set[int] = set()  # indices of this forward's uses that saved a gathered weight
+        self._backward: list[_Unit] = []  # those uses' units, last first
+        self._cursor = 0  # where backward is in `_backward`
+        self._forwarding = False  # a sharded module called outside forward is activation checkpointing's recompute
+        self._calls: list[nn.Module] = []  # this forward's sharded-module calls' modules, as `_uses`
+        self._position: dict[nn.Module, int] = {}  # module -> its (last) index in `_order`
+        self._recomputed: set[int] = set()  # indices of `_order` this backward has recomputed
+        self._reducing: deque = deque()  # (unit, Pending, chunk) of reduce-scatters in flight
+        device = self.shards[0].device if self.units else torch.device("cpu")
+        self.gather_wait = WaitClock(device)
+        self.gathered = GatheredMemory()
+
+    def forward(self, *args, **kwargs):
+        for unit in self.units:
+            unit.saved = unit.uses = 0
+        self._uses, self._saving, self._calls = [], set(), []
+        self._forwarding = True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                output = self.module(*args, **kwargs)
+        finally:
+            self._forwarding = False
+        self._order = self._uses
+        self._position = {module: i for i, module in enumerate(self._calls)}
+        self._recomputed = set()
+        self._backward = [self._uses[i] for i in sorted(self._saving, reverse=True)]
+        self._cursor = 0
+        return output
+
+    # Forward: gather, prefetch the next, compute, drop.
+
+    def _before(self, module: nn.Module, args: tuple):
+        unit = self._unit_of[module]
+        self._start_gather(unit)
+        if self._forwarding:
+            unit.use = len(self._uses)
+            self._uses.append(unit)
+            self._calls.append(module)
+            self._prefetch(unit.use + 1)
+        else:
+            self._prefetch_recomputation(module)
+        self._wait_gathered(unit)
+        weight = _GatheredWeight.apply(unit.shard, unit.flat, unit, self)
+        if weight.requires_grad and self._forwarding:
+            # A recomputed use is not counted: its graph only refills saved tensors, and the gradient
+            # arrives through the forward's use, so counting it would hold the reduce-scatter to the end.
+            unit.uses += 1
+        module.weight = weight
+        if self.compute_dtype is not None:
+            return tuple(a.to(self.compute_dtype) if torch.is_tensor(a) and a.is_floating_point() else a
+                         for a in args)
+        return None
+
+    def _prefetch(self, index: int) -> None:
+        if index < len(self._order):
+            self._start_gather(self._order[index])
+
+    def _prefetch_recomputation(self, module: nn.Module) -> None:
+        """A recomputed segment runs its layers in forward order: gather the next one, unless the segment ends
+        here: the next was recomputed already (a later segment), or its forward saved its weight through FSDP
+        (it was not checkpointed, so it is never recomputed)."""
+        index = self._position.get(module)
+        if index is None:
+            return
+        self._recomputed.add(index)
+        if index + 1 not in self._recomputed and index + 1 not in self._saving:
+            self._prefetch(index + 1)
+
+    def _after(self, module: nn.Module, args: tuple, output) -> None:
+        module.weight = None
+        self._release(self._unit_of[module])
+
+    def _start_gather(self, unit: _Unit) -> None:
+        if unit.flat is not None:
+            return
+        unit.flat = torch.empty(self.world_size * unit.chunk, dtype=unit.dtype, device=unit.shard.device)
+        self._storages[unit.flat.untyped_storage().data_ptr()] = unit
+        self.gathered.add(unit.flat)
+        unit.gathering = all_gather(unit.flat, unit.padded(unit.shard.detach(), unit.chunk, unit.dtype), unit.name)
+
+    def _wait_gathered(self, unit: _Unit) -> None:
+        if unit.gathering is not None:
+            self.gather_wait.wait(unit.gathering)
+            unit.gathering = None
+
+    def _release(self, unit: _Unit) -> None:
+        if unit.flat is None:
+            return
+        if unit.gathering is not None:  # prefetched, never used: the buffer must outlive the collective
+            unit.gathering.wait()
+            unit.gathering = None
+        del self._storages[unit.flat.untyped_storage().data_ptr()]
+        self.gathered.remove(unit.flat)
+        unit.flat = None
+
+    # Autograd keeps placeholders for gathered weights; backward gathers them again.
+
+    def _pack(self, tensor: torch.Tensor):
+        unit = self._storages.get(tensor.untyped_storage().data_ptr())
+        if unit is None:
+            return tensor
+        unit.saved += 1
+        self._saving.add(unit.use)
+        return _SavedView(unit, tensor)
+
+    def _unpack(self, saved):
+        if not isinstance(saved, _SavedView):
+            return saved
+        unit = saved.unit
+        self._start_gather(unit)
+        while self._cursor < len(self._backward) and self._backward[self._cursor] is not unit:
+            self._cursor += 1
+        if self._cursor + 1 < len(self._backward):
+            self._start_gather(self._backward[self._cursor + 1])
+        self._wait_gathered(unit)
+        view = unit.flat.as_strided(*saved.geometry)
+        unit.saved -= 1
+        if unit.saved == 0:
+            self._release(unit)  # autograd holds `view` until this node's backward is done
+        return view
+
+    def _on_gradient(self, unit: _Unit, grad: torch.Tensor) -> None:
+        unit.grad = grad if unit.grad is None else unit.grad + grad
+        unit.uses -= 1
+        if unit.uses == 0:
+            self._reduce_scatter(unit)
+
+    def _reduce_scatter(self, unit: _Unit) -> None:
+        full = unit.padded(unit.grad.contiguous().view(-1), self.world_size * unit.chunk, unit.grad.dtype)
+        unit.grad = None
+        chunk = full.new_empty(unit.chunk)
+        self._reducing.append((unit, reduce_scatter_mean(chunk, full, unit.name), chunk))
+        while len(self._reducing) > REDUCE_SCATTERS_IN_FLIGHT:
+            self._finish_reduce_scatter()
+
+    def _finish_reduce_scatter(self) -> None:
+        unit, pending, chunk = self._reducing.popleft()
+        pending.wait()
+        unit.add_to_grad(chunk)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Wait for the shards' gradients and average the replicated parameters'; call after every backward."""
+        for unit in self.units:  # a use whose output took no part in the loss leaves its sum incomplete
+            if unit.grad is not None:
+                self._reduce_scatter(unit)
+        while self._reducing:
+            self._finish_reduce_scatter()
+        self._average_replicated_gradients()
+        for unit in self.units:
+            self._release(unit)
+            unit.saved = unit.uses = 0
+        self.gather_wait.lap()
+
+    def _average_replicated_gradients(self) -> None:
+        """One all-reduce per dtype of every replicated gradient packed flat (zeros where a parameter got none)."""
+        for dtype in dict.fromkeys(p.dtype for p in self._replicated):  # the same order on every rank
+            params = [p for p in self._replicated if p.dtype == dtype]
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+            all_reduce_mean(flat, "replicated gradients").wait()
+            for param, grad in zip(params, flat.split([p.numel() for p in params])):
+                param.grad = grad.view_as(param)
+
+    @torch.no_grad()
+    def gather_full_params(self) -> dict[str, torch.Tensor]:
+        """Every parameter of the wrapped module, whole, in its own dtype, keyed by the module's own names."""
+        full = {}
+        for name, owner in self._named:
+            if isinstance(owner, _Unit):
+                flat = owner.shard.new_empty(self.world_size * owner.chunk)
+                all_gather(flat, owner.padded(owner.shard, owner.chunk, owner.shard.dtype), name).wait()
+                full[name] = flat[:owner.numel].view(owner.shape)
+            else:
+                full[name] = owner.detach().clone()
+        return full
+
+
+def get_fsdp(module: nn.Module, compute_dtype: torch.dtype | None = None) -> FSDP:
+    """The course's adapter: `module` wrapped in FSDP."""
+    return FSDP(module, compute_dtype)
+
+
+def fsdp_on_after_backward(model: FSDP, optimizer: torch.optim.Optimizer) -> None:
+    """The course's adapter, called between backward and the optimizer step."""
+    model.finish_gradient_synchronization()
+
+
+def fsdp_gather_full_params(model: FSDP) -> dict[str, torch.Tensor]:
+    """The course's adapter: {name: full tensor}, keyed by the wrapped module's own parameter names."""
+    return model.gather_full_params()

@@ -1,0 +1,380 @@
+"""FSDP trains exactly like one process does, with 1/N of the weights per rank.
+
+Each rank builds the model from its own seed (FSDP broadcasts rank 0's), trains 3 steps on its rows of
+every global batch with a learning rate that changes each step, and the gathered full parameters must equal
+those of one process training on all rows. The reference is exact arithmetic, not a tolerance: it computes
+each rank's micro-batch gradient separately (the same shapes, casts and kernels as that rank's backward),
+adds them in rank order in the gradient's dtype and divides by N, which is what FSDP's collectives compute
+(systems.parallel.collectives: under gloo a rank-ordered sum at any N; under NCCL on 2 ranks a two-term
+sum, which no order changes, and a halving, exact in binary), then casts to fp32 and steps the optimizer on
+fp32 masters. Optimizers update each element on its own, so a shard's update is the same slice of the
+full one. So fp32, bf16 and fp16 compute are all compared with torch.equal: the low-precision runs round
+the same values in the same places as the reference (weights cast before the gather, gradients summed in
+the compute dtype), and a tolerance would only hide a wrong cast.
+
+Models: the project's TransformerLM (sizes not divisible by 3), and a toy built from its own classes named
+Linear and Embedding (not torch's), with an LM head tied to the embedding, a frozen layer, and a bias and a
+LayerNorm that stay replicated. One spawn per process group runs every model, precision and optimizer
+under warnings-as-errors and deterministic algorithms.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.func import functional_call
+
+from spawned_ranks import results_by_rank
+from systems.accounting import fsdp_memory
+from systems.model import TransformerLM, get_config
+from systems.optim import AdamW
+from systems.parallel import fsdp as fsdp_module
+from systems.parallel.fsdp import FSDP, fsdp_gather_full_params, fsdp_on_after_backward, get_fsdp
+from systems.parallel.ranks import rank_device
+from systems.precision import PRECISIONS
+
+VOCAB, WIDTH, ROWS_PER_RANK, SEQ, STEPS, SEED = 23, 10, 2, 6, 3, 4321
+MODELS = ["transformer", "toy"]
+COMPUTE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+OPTIMIZERS = ["sgd", "torch-adamw", "adamw"]
+LR = {"sgd": 0.2, "torch-adamw": 0.01, "adamw": 0.01}
+TRANSFORMER = get_config("tiny", vocab_size=101, d_model=32, num_heads=4, d_ff=88, context_length=16)
+
+
+class Linear(nn.Module):
+    """Another codebase's own Linear: weight (out, in), applied by einsum, which saves a view of it."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_out, d_in) / math.sqrt(d_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("...i,oi->...o", x, self.weight)
+
+
+class Embedding(nn.Module):
+    def __init__(self, vocab: int, width: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(vocab, width))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.weight[tokens]
+
+
+class ToyModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = Embedding(VOCAB, WIDTH)  # 230 elements
+        self.hidden = Linear(WIDTH, WIDTH)  # 100
+        self.bias = nn.Parameter(torch.randn(WIDTH))
+        self.frozen = Linear(WIDTH, WIDTH).requires_grad_(False)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = Linear(WIDTH, VOCAB)
+        self.head.weight = self.embed.weight
+        with torch.no_grad():  # LayerNorm starts at ones and zeros: make every rank's start differ
+            self.norm.weight.normal_()
+            self.norm.bias.normal_()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)  # (rows, seq, width)
+        x = torch.tanh(self.hidden(x) + self.bias) + self.frozen(x)
+        return self.head(self.norm(x))  # (rows, seq, vocab)
+
+
+def build(model_name: str, device) -> nn.Module:
+    with torch.device(device):
+        return TransformerLM(TRANSFORMER) if model_name == "transformer" else ToyModel()
+
+
+def vocab(model_name: str) -> int:
+    return TRANSFORMER.vocab_size if model_name == "transformer" else VOCAB
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=LR[name], momentum=0.9, weight_decay=0.05)
+    kind = torch.optim.AdamW if name == "torch-adamw" else AdamW
+    return kind(params, lr=LR[name], weight_decay=0.1)
+
+
+def batches(model_name: str, device, world_size: int):
+    """(step, tokens, targets) of each global batch: world_size * ROWS_PER_RANK rows."""
+    data = torch.Generator().manual_seed(SEED)
+    for step in range(STEPS):
+        tokens = torch.randint(vocab(model_name), (world_size * ROWS_PER_RANK, SEQ + 1), generator=data).to(device)
+        yield step, tokens[:, :-1], tokens[:, 1:]
+
+
+def rows(rank: int) -> slice:
+    return slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
+
+
+def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def set_lr(optimizer: torch.optim.Optimizer, name: str, step: int) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = LR[name] * (1 + step) / 2
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """The reference's own reading of the policy: torch's or any class named Linear or Embedding."""
+    return isinstance(module, (nn.Linear, nn.Embedding)) or type(module).__name__ in ("Linear", "Embedding")
+
+
+def train_one_process(model_name: str, precision: str, optimizer_name: str, device, world_size: int) -> dict:
+    """The same training in one process: rank micro-batches, their gradients averaged in rank order."""
+    torch.manual_seed(SEED)  # rank 0's seed
+    model = build(model_name, device)
+    dtype = COMPUTE[precision]
+    sharded = {m.weight for m in model.modules() if is_sharded(m)}
+    if dtype is not None:
+        for module in model.modules():
+            if is_sharded(module):
+                module.register_forward_pre_hook(
+                    lambda m, args: tuple(a.to(dtype) if a.is_floating_point() else a for a in args))
+    trainable = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    optimizer = make_optimizer(optimizer_name, trainable.values())
+    for step, tokens, targets in batches(model_name, device, world_size):
+        # Sharded weights in the compute dtype, as leaves of their own: their gradients stay in it.
+        weights = {name: (p.detach().to(dtype).requires_grad_(p.requires_grad)
+                          if dtype is not None and p in sharded else p) for name, p in model.named_parameters()}
+        total = None
+        for rank in range(world_size):
+            loss = loss_of(functional_call(model, weights, (tokens[rows(rank)],)), targets[rows(rank)])
+            grads = torch.autograd.grad(loss, [weights[name] for name in trainable])
+            total = list(grads) if total is None else [t.add_(g) for t, g in zip(total, grads)]
+        for param, grad in zip(trainable.values(), total):
+            param.grad = grad.div_(world_size).to(param.dtype)
+        set_lr(optimizer, optimizer_name, step)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+
+
+def train_sharded(model_name: str, precision: str, optimizer_name: str, device, world_size: int) -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(SEED + rank)
+    wrapped = get_fsdp(build(model_name, device), COMPUTE[precision])
+    optimizer = make_optimizer(optimizer_name, wrapped.parameters())
+    for step, tokens, targets in batches(model_name, device, world_size):
+        loss_of(wrapped(tokens[rows(rank)]), targets[rows(rank)]).backward()
+        fsdp_on_after_backward(wrapped, optimizer)
+        set_lr(optimizer, optimizer_name, step)
+        optimizer.step()
+        if step < STEPS - 1:
+            optimizer.zero_grad()
+    shards = [unit.shard for unit in wrapped.units]
+    return {"params": {name: t.cpu() for name, t in fsdp_gather_full_params(wrapped).items()},
+            "replicated_grads": {name: p.grad.cpu().clone() for name, p in wrapped.module.named_parameters()
+                                 if p.grad is not None},
+            "shard_numels": {unit.name: unit.shard.numel() for unit in wrapped.units},
+            "shard_grads": [(s.grad.shape, s.grad.dtype) == (s.shape, s.dtype) for s in shards if s.requires_grad],
+            "state_bytes": {"params": sum(p.nbytes for p in wrapped.parameters()),
+                            "grads": sum(p.grad.nbytes for p in wrapped.parameters() if p.grad is not None),
+                            "optimizer": sum(t.nbytes for state in optimizer.state.values() for t in state.values()
+                                             if torch.is_tensor(t) and t.dim() > 0)},
+            "peak_gathered": wrapped.gathered.peak,
+            "gathered_after_step": wrapped.gathered.bytes,
+            "gathered_sizes": [(u.name, u.chunk * world_size * u.dtype.itemsize) for u in wrapped._order]}
+
+
+def trace_step(world_size: int, device) -> dict:
+    """The order of all-gathers and module calls in a second step's forward and backward (the first has no
+    order to prefetch by)."""
+    rank = dist.get_rank()
+    wrapped = FSDP(build("transformer", device))
+    events = []
+    for unit in wrapped.units:
+        for module in unit.modules:  # registered after FSDP's: runs once the weight is gathered
+            module.register_forward_pre_hook(lambda m, args, name=unit.name: events.append(("run", name)))
+    gather = fsdp_module.all_gather
+    with mock.patch.object(fsdp_module, "all_gather",
+                           side_effect=lambda out, shard, name: events.append(("gather", name)) or gather(out, shard,
+                                                                                                           name)):
+        for step, tokens, targets in batches("transformer", device, world_size):
+            events.clear()
+            logits = wrapped(tokens[rows(rank)])
+            forward = list(events)
+            events.clear()
+            loss_of(logits, targets[rows(rank)]).backward()
+            wrapped.finish_gradient_synchronization()
+            if step == 1:
+                return {"forward": forward, "backward": list(events), "uses": [u.name for u in wrapped._order]}
+
+
+def trace_checkpointed_step(world_size: int, device) -> dict:
+    """All-gathers, module calls and reduce-scatters of one step of the Transformer with every block
+    checkpointed, and which of them backward issued."""
+    rank = dist.get_rank()
+    with torch.device(device):
+        wrapped = FSDP(TransformerLM(dataclasses.replace(TRANSFORMER, checkpoint=(1,))))
+    events = []
+    for unit in wrapped.units:
+        for module in unit.modules:
+            module.register_forward_pre_hook(lambda m, args, name=unit.name: events.append(("run", name)))
+    gather, reduce_scatter = fsdp_module.all_gather, fsdp_module.reduce_scatter_mean
+    with (mock.patch.object(fsdp_module, "all_gather", side_effect=lambda out, shard, name: events.append(
+              ("gather", name)) or gather(out, shard, name)),
+          mock.patch.object(fsdp_module, "reduce_scatter_mean", side_effect=lambda out, full, name: events.append(
+              ("reduce_scatter", name)) or reduce_scatter(out, full, name))):
+        _, tokens, targets = next(batches("transformer", device, world_size))
+        logits = wrapped(tokens[rows(rank)])
+        events.clear()
+        loss_of(logits, targets[rows(rank)]).backward()
+        backward = list(events)
+        wrapped.finish_gradient_synchronization()
+    return {"backward": backward, "uses": [u.name for u in wrapped._order],
+            "trainable": [u.name for u in wrapped.units if u.shard.requires_grad]}
+
+
+def train_all() -> dict:
+    warnings.simplefilter("error")
+    torch.use_deterministic_algorithms(True)
+    world_size, device = dist.get_world_size(), rank_device()
+    results = {"trace": trace_step(world_size, device), "checkpointed": trace_checkpointed_step(world_size, device)}
+    for model_name in MODELS:
+        for precision in COMPUTE:
+            for optimizer_name in OPTIMIZERS:
+                key = model_name, precision, optimizer_name
+                results[key] = train_sharded(*key, device, world_size)
+                if dist.get_rank() == 0:
+                    results[key]["reference"] = train_one_process(*key, device, world_size)
+    return results
+
+
+replicas = results_by_rank("replicas", train_all, gloo_world_sizes=(2, 3), timeout=600)
+RUNS = [(m, p, o) for m in MODELS for p in COMPUTE for o in OPTIMIZERS]
+
+
+@pytest.mark.parametrize("model_name, precision, optimizer_name", RUNS, ids=["-".join(run) for run in RUNS])
+def test_matches_one_process_exactly(replicas, model_name, precision, optimizer_name):
+    expected = replicas[0][model_name, precision, optimizer_name]["reference"]
+    for rank, result in enumerate(replicas):
+        actual = result[model_name, precision, optimizer_name]["params"]
+        assert list(actual) == list(expected)  # the wrapped module's own names, in its order
+        for name, value in expected.items():
+            assert actual[name].dtype == value.dtype and torch.equal(actual[name], value), f"rank {rank}, {name}"
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_replicated_gradients_are_identical_on_every_rank(replicas, model_name):
+    grads = [result[model_name, "fp32", "sgd"]["replicated_grads"] for result in replicas]
+    assert grads[0]
+    for other in grads[1:]:
+        assert list(other) == list(grads[0])
+        assert all(torch.equal(other[name], grads[0][name]) for name in grads[0])
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_gradients_arrive_in_the_shards_shape_and_fp32(replicas, model_name):
+    for result in replicas:
+        assert all(result[model_name, "bf16", "sgd"]["shard_grads"])
+
+
+def test_training_moves_every_trainable_parameter(replicas):
+    """Guards the comparisons against a run in which nothing trains."""
+    for model_name in MODELS:
+        torch.manual_seed(SEED)
+        initial = build(model_name, "cpu")
+        trained = replicas[0][model_name, "fp32", "sgd"]["reference"]
+        for name, param in initial.named_parameters():
+            assert torch.equal(trained[name], param.detach()) != param.requires_grad, name
+
+
+@pytest.mark.parametrize("model_name", MODELS)
+def test_each_rank_holds_its_share_of_every_sharded_weight(replicas, model_name):
+    """Shards of ceil(numel / N): the sharded state per rank is 1/N of the whole, up to N - 1 elements a weight."""
+    world_size = len(replicas)
+    model = build(model_name, "cpu")
+    sharded = {name: p.numel() for name, p in model.named_parameters()
+               if any(m.weight is p for m in model.modules() if is_sharded(m))}
+    numels = [result[model_name, "fp32", "sgd"]["shard_numels"] for result in replicas]
+    for name, numel in sharded.items():
+        shares = [n[name] for n in numels]
+        assert sum(shares) == numel and max(shares) == math.ceil(numel / world_size), name
+
+
+@pytest.mark.parametrize("precision", list(COMPUTE))
+@pytest.mark.parametrize("model_name", MODELS)
+def test_at_most_two_gathered_weights_are_alive_at_once(replicas, model_name, precision):
+    """The layer computing and the one prefetched: the gathered weights beyond the shards are never more
+    than two consecutive layers' (in the compute dtype), and none outlives the step."""
+    for result in replicas:
+        run = result[model_name, precision, "sgd"]
+        sizes = [size for _, size in run["gathered_sizes"]]
+        assert run["gathered_after_step"] == 0
+        assert run["peak_gathered"] <= max(a + b for a, b in zip(sizes, sizes[1:]))
+        assert run["peak_gathered"] >= max(sizes)
+
+
+def test_forward_prefetches_the_next_layer_while_this_one_computes(replicas):
+    """Each layer's gather is issued before the layer before it runs, and none earlier."""
+    for result in replicas:
+        uses = result["trace"]["uses"]
+        expected = [("gather", uses[0]), ("gather", uses[1])]
+        for i, name in enumerate(uses):
+            expected.append(("run", name))
+            if i + 2 < len(uses):
+                expected.append(("gather", uses[i + 2]))
+        assert result["trace"]["forward"] == expected
+
+
+def test_backward_gathers_each_saved_weight_once_in_reverse_order(replicas):
+    """The embedding saves no weight for backward, so backward gathers every other layer, last first."""
+    for result in replicas:
+        uses = result["trace"]["uses"]
+        assert result["trace"]["backward"] == [("gather", name) for name in reversed(uses[1:])]
+
+
+def test_checkpointed_blocks_reduce_scatter_during_backward(replicas):
+    """A recomputed block runs its layers again, but only the forward's uses receive gradients: every
+    weight's reduce-scatter is issued during backward (none waits for finish_gradient_synchronization), and
+    the forward order the prefetches follow is the forward's alone."""
+    for result in replicas:
+        trace = result["checkpointed"]
+        assert trace["uses"] == result["trace"]["uses"]
+        issued = [name for kind, name in trace["backward"] if kind == "reduce_scatter"]
+        assert sorted(issued) == sorted(trace["trainable"])
+
+
+def test_recomputation_prefetches_the_next_layer_of_its_block_only(replicas):
+    """Backward gathers the LM head's saved weight, then recomputes the blocks last first, each gathering its
+    layers in forward order one ahead, and nothing across a block's end (the next was recomputed already)."""
+    for result in replicas:
+        trace = result["checkpointed"]
+        uses = trace["uses"]
+        blocks = {}
+        for name in uses[1:-1]:  # between the embedding and the LM head
+            blocks.setdefault(name.split(".")[1], []).append(name)
+        expected = [("gather", uses[-1])]
+        for layers in reversed(blocks.values()):
+            expected += [("gather", layers[0])]
+            for i, name in enumerate(layers):
+                if i + 1 < len(layers):
+                    expected.append(("gather", layers[i + 1]))
+                expected.append(("run", name))
+        assert [event for event in trace["backward"] if event[0] != "reduce_scatter"] == expected
+
+
+def test_default_policy_picks_classes_named_linear_or_embedding():
+    picked = [fsdp_module.linear_or_embedding(m) for m in
+              (nn.Linear(2, 2), nn.Embedding(3, 2), Linear(2, 2), Embedding(3, 2), nn.LayerNorm(2),
+               nn.Bilinear(2, 2, 2))]
+    assert picked == [True, True, True, True, False, False]
+
+
+def test_sharded_state_matches_the_accounting(replicas):
+    """Rank 0 holds the largest shards: its parameters, gradients and AdamW moments are what fsdp_memory predicts."""
+    predicted = fsdp_memory(TRANSFORMER, ROWS_PER_RANK, SEQ, PRECISIONS["fp32"], len(replicas), device="cpu")
+    state = replicas[0]["transformer", "fp32", "adamw"]["state_bytes"]
+    assert state == {"params": predicted.params, "grads": predicted.grads, "optimizer": predicted.optimizer}
