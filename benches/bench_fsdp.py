@@ -17,8 +17,6 @@ named after its weight (`nsys profile -t cuda,nvtx,nccl ...`).
 
 from __future__ import annotations
 
-import pytest
-import torch
 from bench_ddp import BACKEND, mean_of_medians, record_memory, train_in_ranks
 
 from systems.accounting import flops, fsdp_memory, peak_memory

@@ -15,7 +15,8 @@ Each point trains through systems.parallel.train.train in spawned ranks (bench_d
 pytest-benchmark's rounds are its timed steps, as long as their slowest rank. On a GPU each rank then times
 more whole steps with `triton.testing.do_bench` (median), as the leaderboard does. extra_info: the step and
 its phases (bench_ddp's), `do_bench_s`, TFLOP/s and MFU per GPU against model FLOPs (Flops.flash_step: the
-leaderboard's count, recomputation left out), tokens/s, peak memory per rank (`peak_memory_mb_per_rank`) and
+leaderboard's count, recomputation left out), tokens/s, peak memory per rank (`peak_memory_mb_per_rank`) beside
+the largest rank's prediction (`predicted_peak_mb`: systems.accounting.fsdp_memory for our FSDP) and
 `cold_start_s`: from this pytest process's start to the end of the point's timed job. For a cold run as the
 leaderboard's, give it an empty TRITON_CACHE_DIR and run this point alone.
 
@@ -33,7 +34,7 @@ import torch
 import torch.distributed as dist
 from bench_ddp import BACKEND, mean_of_medians, record_memory, train_in_ranks
 
-from systems.accounting import flops, recomputed_flops
+from systems.accounting import flops, fsdp_memory, peak_memory, recomputed_flops
 from systems.bench.schema import FSDP_TIMINGS, POINT, FullStepPoint, seconds_key
 from systems.bench.timing import record_throughput
 from systems.parallel.train import TrainSpec
@@ -102,6 +103,15 @@ def spec_of(point: FullStepPoint, request) -> TrainSpec:
                      loss_chunk=point.loss_chunk)
 
 
+def predicted_peak_mb(point: FullStepPoint, config, device) -> float:
+    """The largest rank's predicted peak: systems.accounting.fsdp_memory for our FSDP, peak_memory otherwise."""
+    where = "cuda" if device.type == "cuda" else "cpu"
+    if point.variant == "fsdp":
+        memory = fsdp_memory(config, point.batch_size, point.context, point.precision, point.world_size, device=where)
+        return memory.peak / 2**20
+    return peak_memory(config, point.batch_size, point.context, point.precision, device=where).train_step / 2**20
+
+
 def test_fullstep(benchmark, fullstep_point, rank_pools, request, device, skip_on_oom):
     point = fullstep_point
     benchmark.group = f"fullstep-{point.preset}-{point.precision.name}-ctx{point.context}"
@@ -124,5 +134,6 @@ def test_fullstep(benchmark, fullstep_point, rank_pools, request, device, skip_o
                 recomputed_tflop=recomputed_flops(config, point.batch_size, point.context).forward / 1e12)
     record_throughput(benchmark, seconds=step, flops=model.flash_step, device=device, precision=point.precision)
     record_memory(benchmark, ranks)
+    info["predicted_peak_mb"] = predicted_peak_mb(point, config, device)
     if "memory_mb" in ranks[0]:
         info["peak_memory_mb_per_rank"] = [max(rank["memory_mb"].values()) for rank in ranks]

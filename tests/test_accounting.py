@@ -1,14 +1,12 @@
 """The accounting's arithmetic against counts and measurements made another way."""
 
-import itertools
 import math
 
 import pytest
 import torch
-from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
+from memory_probes import cpu_peak_bytes, saved_tensor_bytes, training_peaks
 from systems.accounting import (GB, TPU_V5P_BYTES, TPU_V5P_FLOPS, TPU_V5P_ICI_BANDWIDTH, XXL, BucketedAllReduce,
                                 FFNStack, activation_memory, count_matmul_parameters, count_parameters,
                                 devices_to_hold, flops, fsdp_tp_compute_bound_batch, model_state,
@@ -70,23 +68,6 @@ def test_flops_match_flop_counter(attention):
     assert backward.get_total_flops() == 2 * matmuls
 
 
-def saved_tensor_bytes(model, tokens, targets, precision) -> int:
-    """Bytes of the distinct storages autograd saves in a forward pass and loss, weights and inputs excluded."""
-    excluded = {t.untyped_storage().data_ptr()
-                for t in itertools.chain(model.parameters(), model.buffers(), (tokens, targets))}
-    saved = {}
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in excluded:
-            saved[storage.data_ptr()] = storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        forward_loss(model, tokens, targets, precision)
-    return sum(saved.values())
-
-
 @pytest.mark.parametrize("attention", ["naive", "sdpa", "flash"])
 @pytest.mark.parametrize("precision", precisions("fp32", "bf16", "bf16-weights"))
 @pytest.mark.parametrize("num_layers", [1, 3])
@@ -133,43 +114,6 @@ def test_state_bytes_match_a_training_step(precision):
     assert model_state(config, PRECISIONS["bf16"]).autocast_weights == 2 * count_matmul_parameters(config)
 
 
-def _allocations(events):
-    for event in events:
-        if event.typed[0] == _EventType.Allocation:
-            yield event
-        yield from _allocations(event.children)
-
-
-def cpu_peak_bytes(fn) -> int:
-    """Peak of the bytes the CPU allocator holds in tensors while `fn` runs, above what it held before.
-
-    An op's workspace, memory it allocates and frees itself rather than through an op it calls, is left
-    out: the BLAS library sizes it for the CPU's instructions and thread count, and it is no tensor the
-    accounting models. oneDNN's bf16 matmul takes per-thread tiles where the CPU has bf16 instructions,
-    and an fp32 copy of the whole output where it has AVX-512 without them (ONEDNN_MAX_CPU_ISA=AVX512_CORE
-    shows that on a newer x86).
-    """
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted(_allocations(prof.profiler.kineto_results.experimental_event_tree()),
-                    key=lambda e: e.start_time_ns)
-    changes = [(e.typed[1].ptr, e.typed[1].alloc_size, e.parent.id if e.parent else None) for e in events]
-    allocated_by, workspace = {}, set()  # pointer -> (op, index of its allocation)
-    for index, (ptr, size, op) in enumerate(changes):
-        if size > 0:
-            allocated_by[ptr] = (op, index)
-        elif ptr in allocated_by:
-            allocating_op, allocation = allocated_by.pop(ptr)
-            if op is not None and op == allocating_op:
-                workspace |= {allocation, index}
-    held = peak = 0
-    for index, (_, size, _) in enumerate(changes):
-        if index not in workspace:
-            held += size
-            peak = max(peak, held)
-    return peak
-
-
 def test_cpu_peak_bytes_counts_tensors_and_leaves_out_workspace():
     """Two bf16 matmul outputs live at once, whatever scratch the CPU's matmul kernel takes; a
     temporary freed inside a composite op is a tensor and counts."""
@@ -187,25 +131,11 @@ def test_cpu_peak_bytes_counts_tensors_and_leaves_out_workspace():
 ], ids=["tiny-naive", "tiny-sdpa", "small-vocab"])
 def test_peak_memory_matches_cpu_allocations(config, precision):
     batch_size, seq = 2, 64
-    model = make_model(config, CPU, precision)
-    optimizer = AdamW(model.parameters())
-    tokens, targets = random_batch(config, batch_size, seq, CPU)
+    measured = training_peaks(config, batch_size, seq, precision)
     predicted = peak_memory(config, batch_size, seq, precision, device="cpu")
-    state = model_state(config, precision)
-    resident = state.params + state.buffers  # already allocated when measuring starts
-
-    forward = resident + cpu_peak_bytes(lambda: forward_loss(model, tokens, targets, precision))
-    with torch.no_grad():
-        inference = resident + cpu_peak_bytes(lambda: forward_loss(model, tokens, targets, precision))
-    forward_backward = resident + cpu_peak_bytes(lambda: forward_loss(model, tokens, targets, precision).backward())
-    model.zero_grad(set_to_none=True)
-    train_step(model, optimizer, tokens, targets, precision)  # allocates the optimizer state
-    step = state.training + cpu_peak_bytes(lambda: train_step(model, optimizer, tokens, targets, precision))
-
-    assert forward == pytest.approx(predicted.forward, rel=0.02)
-    assert forward_backward == pytest.approx(predicted.forward_backward, rel=0.02)
-    assert step == pytest.approx(predicted.train_step, rel=0.02)
-    assert inference == pytest.approx(predicted.inference, rel=0.1)
+    for moment in ("forward", "forward_backward", "train_step"):
+        assert measured[moment] == pytest.approx(getattr(predicted, moment), rel=0.02), moment
+    assert measured["inference"] == pytest.approx(predicted.inference, rel=0.1)
 
 
 @pytest.mark.gpu

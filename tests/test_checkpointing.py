@@ -8,14 +8,14 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from memory_probes import cpu_peak_bytes, saved_tensor_bytes, training_peaks
 from systems.accounting import (Flops, activation_memory, checkpoint_levels, largest_context, model_state,
                                 nested_checkpoint, peak_memory, recomputed_flops)
 from systems.loss import cross_entropy
 from systems.model import TransformerConfig, TransformerLM, get_config
-from systems.optim import AdamW
 from systems.precision import PRECISIONS
-from systems.step import forward_loss, make_model, random_batch, train_step
-from test_accounting import cpu_peak_bytes, precisions, saved_tensor_bytes
+from systems.step import forward_loss, make_model, random_batch
+from test_accounting import precisions
 
 CPU = torch.device("cpu")
 # Five blocks: segments of 2, 3 and 4 leave a shorter last one, 5 and 7 take them all in one; nested sizes
@@ -105,20 +105,10 @@ def test_peak_memory_matches_cpu_allocations(levels, attention, precision):
     its inner inputs and one inner segment) and the gradients so far. Tolerance as in test_accounting."""
     config = dataclasses.replace(BLOCK_BOUND, attention=attention, checkpoint=levels)
     batch_size, seq = 2, 64
-    model = make_model(config, CPU, precision)
-    optimizer = AdamW(model.parameters())
-    tokens, targets = random_batch(config, batch_size, seq, CPU)
+    measured = training_peaks(config, batch_size, seq, precision)
     predicted = peak_memory(config, batch_size, seq, precision, device="cpu")
-    state = model_state(config, precision)
-    resident = state.params + state.buffers
-    forward = resident + cpu_peak_bytes(lambda: forward_loss(model, tokens, targets, precision))
-    forward_backward = resident + cpu_peak_bytes(lambda: forward_loss(model, tokens, targets, precision).backward())
-    model.zero_grad(set_to_none=True)
-    train_step(model, optimizer, tokens, targets, precision)  # allocates the optimizer state
-    step = state.training + cpu_peak_bytes(lambda: train_step(model, optimizer, tokens, targets, precision))
-    assert forward == pytest.approx(predicted.forward, rel=0.02)
-    assert forward_backward == pytest.approx(predicted.forward_backward, rel=0.02)
-    assert step == pytest.approx(predicted.train_step, rel=0.02)
+    for moment in ("forward", "forward_backward", "train_step"):
+        assert measured[moment] == pytest.approx(getattr(predicted, moment), rel=0.02), moment
 
 
 def test_nested_checkpointing_peaks_below_every_one_level_scheme():

@@ -14,8 +14,8 @@ first-order bound, for the products of errors it leaves out.
 import pytest
 import torch
 
+from memory_probes import cpu_peak_bytes
 from systems.loss import LMHead, chunked_cross_entropy, cross_entropy
-from test_accounting import cpu_peak_bytes
 
 U32 = 2.0**-24
 UNIT_ROUNDOFF = {torch.float32: U32, torch.bfloat16: 2.0**-8}

@@ -1,64 +1,229 @@
 """Per-rank memory of a training step under our FSDP (systems.parallel.fsdp), as executable arithmetic.
 
-Each rank keeps ceil(numel / N) elements of every Linear and Embedding weight (fp32 masters in the weights'
-dtype), the replicated parameters whole, AdamW's state and the gradients of both; while a step runs it also
-holds at most two gathered weights in the compute dtype (the layer computing and the one prefetched), the
-full-size gradients of the reduce-scatters in flight and the one being made, and the activations, which
-are those of a model whose weights are in the compute dtype (the gathered weights are already cast, so the
-residual stream is in it too: `bf16-weights`' activations for bf16 compute).
+Between steps a rank holds its shards (ceil(numel / N) elements of every Linear and Embedding weight, in the
+weights' dtype: the fp32 masters), the replicated parameters whole, the buffers (RoPE tables) and AdamW's
+state of both. A step adds, at each moment, four things (`Moment`), and its peak is the largest moment:
+
+- gradients: the shards' gradients, each made when its reduce-scatter is waited for, so they accumulate
+  through the backward (the replicated parameters' are made whole and are tiny);
+- gathered weights, in the compute dtype and padded to N chunks: in the forward the layer computing and the
+  one prefetched; in the backward the layer whose gradient is being made and the next one, prefetched. A
+  checkpointed block's recomputation keeps its layers' weights, as autograd saves them, until each layer's
+  backward has used them: the whole block is gathered while its backward runs;
+- gradients in flight: a weight's full-size gradient in the compute dtype from its matmul until its
+  reduce-scatter is waited for, with two of them waiting at once (fsdp.REDUCE_SCATTERS_IN_FLIGHT), each beside its
+  chunk of the result; gloo's reduce-scatter (device "cpu") moves every chunk to its rank first, into one
+  more full-size buffer;
+- activations: a model whose weights are in the compute dtype saves them (`bf16-weights`' activations for
+  bf16 compute, the residual stream in bf16), plus the casts of the fp32 RoPE tables; with checkpointing,
+  the segment inputs and one recomputed segment (checkpointing.held_in_backward); the loss's whole logits,
+  or with `loss_chunk` one chunk's logits at a time and its fp32 gradient of the LM head.
+
+The moments are where one of them peaks: the forward's end (the loss, inside the LM head's call), the loss's
+backward, the LM head's weight gradient, each block's backward (inside SwiGLU's, where the product's two
+gradients are made, as in transformer.peak_memory), the embedding's gradient (the backward's end, every
+other gradient made) and the optimizer step. Written-out attention's seq² backward is not among them: the
+model is for "sdpa" and "flash" attention.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
-from systems.accounting.transformer import activation_memory, count_parameters
-from systems.model import TransformerConfig
-from systems.precision import PRECISIONS, Precision
+import torch
 
-GATHERED_AT_ONCE = 2  # the layer computing and the one prefetched (systems.parallel.fsdp)
-GRADIENTS_AT_ONCE = 3  # reduce-scatters in flight (fsdp.REDUCE_SCATTERS_IN_FLIGHT) and the one being made
+from systems.accounting.checkpointing import held_in_backward
+from systems.accounting.transformer import activation_memory, count_parameters, model_state
+from systems.model import TransformerConfig
+from systems.precision import FP32, Precision
 
 
 def sharded_weights(config: TransformerConfig) -> list[int]:
-    """Element counts of the weights FSDP shards: the embedding, every block's five Linears, the LM head."""
+    """Element counts of the weights FSDP shards, in forward order: the embedding, every block's five Linears
+    (qkv, out, w1, w3, w2), the LM head."""
+    d = config.d_model
+    return [config.vocab_size * d] + config.num_layers * block_weights(config) + [d * config.vocab_size]
+
+
+def block_weights(config: TransformerConfig) -> list[int]:
     d, d_ff = config.d_model, config.d_ff
-    block = [3 * d * d, d * d, d * d_ff, d * d_ff, d * d_ff]
-    return [config.vocab_size * d] + config.num_layers * block + [d * config.vocab_size]
+    return [3 * d * d, d * d, d * d_ff, d * d_ff, d * d_ff]
+
+
+@dataclass(frozen=True)
+class Moment:
+    """Bytes a step holds at one moment beyond the state between steps."""
+
+    name: str
+    grads: int  # shard and replicated gradients made so far
+    gathered: int  # full weights in the compute dtype
+    in_flight: int  # full-size gradients being made or reduce-scattered, and their chunks
+    activations: int  # saved for the backward, and what the moment's op is making
+
+    @property
+    def total(self) -> int:
+        return self.grads + self.gathered + self.in_flight + self.activations
 
 
 @dataclass(frozen=True)
 class ShardedMemory:
-    """Bytes on the rank holding the largest shards."""
+    """Bytes on the rank holding the largest shards (rank 0)."""
 
     params: int  # its shards and the replicated parameters
-    grads: int
+    grads: int  # at the optimizer step
     optimizer: int
-    gathered: int  # weights and full-size gradients in the compute dtype, at most, while a step runs
-    activations: int  # saved for backward, plus the loss's backward transient
+    buffers: int
+    moments: tuple[Moment, ...]
 
     @property
     def state(self) -> int:
-        """What stays between steps and at the optimizer step."""
-        return self.params + self.grads + self.optimizer
+        """What stays between steps."""
+        return self.params + self.buffers + self.optimizer
+
+    @property
+    def peak_moment(self) -> Moment:
+        return max(self.moments, key=lambda moment: moment.total)
 
     @property
     def peak(self) -> int:
-        return self.state + self.gathered + self.activations
+        return self.state + self.peak_moment.total
+
+    def at(self, name: str) -> int:
+        """The bytes held at the moment `name` (the forward's end: "forward")."""
+        return self.state + next(m for m in self.moments if m.name == name).total
+
+    @property
+    def forward_backward(self) -> int:
+        """The peak of the forward and backward, the optimizer step left out."""
+        return self.state + max(m.total for m in self.moments if m.name != "optimizer step")
+
+
+class _Rank:
+    """Sizes on rank 0 of `world_size`: shards of ceil(numel / N) elements, gathered buffers of N of them."""
+
+    def __init__(self, world_size: int, compute: int, grad: int, gloo: bool):
+        self.world_size, self.compute, self.grad, self.gloo = world_size, compute, grad, gloo
+
+    def chunk(self, numel: int) -> int:
+        return math.ceil(numel / self.world_size)
+
+    def gathered(self, numel: int) -> int:
+        return self.world_size * self.chunk(numel) * self.compute
+
+    def reducing(self, numel: int) -> int:
+        """A full-size gradient in its reduce-scatter, gloo's all-to-all copy of it, and the chunk it makes."""
+        return (2 if self.gloo else 1) * self.gathered(numel) + self.chunk(numel) * self.compute
+
+    def shard_grads(self, numels) -> int:
+        return sum(self.chunk(n) for n in numels) * self.grad
 
 
 def fsdp_memory(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, world_size: int,
                 *, device: str = "cuda") -> ShardedMemory:
+    """Per-rank memory of `systems.parallel.train`'s FSDP step: weights in `precision.weights`, compute in
+    `precision.compute`, with `config.checkpoint` and `config.loss_chunk`. `device` "cpu" means gloo, whose
+    reduce-scatter takes one more full-size buffer, and the unfused AdamW."""
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
     weights = sharded_weights(config)
-    per_rank = sum(math.ceil(n / world_size) for n in weights) + count_parameters(config) - sum(weights)
-    compute = precision.compute.itemsize
-    largest = max(weights)
-    computing = PRECISIONS["bf16-weights"] if precision.compute.itemsize < 4 else precision
-    acts = activation_memory(config, batch_size, seq, computing, device=device)
+    replicated = count_parameters(config) - sum(weights)
+    rank = _Rank(world_size, precision.compute.itemsize, precision.grad_bytes, gloo=device == "cpu")
+    per_rank = sum(rank.chunk(n) for n in weights) + replicated
+    moments = (*_forward_and_loss(config, batch_size, seq, precision, rank, device),
+               *_blocks_backward(config, batch_size, seq, precision, rank, device),
+               _embedding_gradient(config, batch_size, seq, rank, weights, replicated * precision.grad_bytes),
+               _optimizer_step(config, precision, rank, weights, replicated, device))
     return ShardedMemory(params=precision.weight_bytes * per_rank, grads=precision.grad_bytes * per_rank,
                          optimizer=precision.optimizer_bytes * per_rank,
-                         gathered=compute * largest * (GATHERED_AT_ONCE + GRADIENTS_AT_ONCE),
-                         activations=acts.total + acts.logits + acts.logits // 4)
+                         buffers=model_state(config, precision).buffers, moments=moments)
+
+
+def _activations(config, batch_size, seq, precision, device):
+    """What the blocks and the head save with weights in the compute dtype; the RoPE tables stay in the
+    weights' dtype and each block casts its cos and sin for q and for k."""
+    compute = precision.compute
+    computing = Precision("fsdp", weights=compute, compute=compute)
+    acts = activation_memory(config, batch_size, seq, computing, device=device)
+    if precision.weights != compute:
+        rope_casts = 2 * 2 * seq * (config.d_head // 2) * compute.itemsize
+        acts = dataclasses.replace(acts, per_layer=acts.per_layer + rope_casts)
+    return acts
+
+
+def _forward_and_loss(config, batch_size, seq, precision, rank, device) -> list[Moment]:
+    d, vocab, tokens = config.d_model, config.vocab_size, batch_size * seq
+    c = rank.compute
+    acts = _activations(config, batch_size, seq, precision, device)
+    head_input = acts.head - (3 * acts.logits + 2 * FP32 * tokens)  # the final norm's and the LM head's input
+    head, w2 = rank.gathered(vocab * d), rank.gathered(d * config.d_ff)
+    kept = acts.blocks + head_input
+    grad_hidden = tokens * d * c
+    if config.loss_chunk is None:
+        grad_logits = tokens * vocab * c
+        return [Moment("forward", 0, head, 0, acts.total),
+                # Nothing gathered until the LM head's backward asks for its weight; the loss's gradient of the
+                # fp32 logits and amax's mask beside what it saved.
+                Moment("loss backward", 0, 0, 0, acts.total + acts.logits + acts.logits // FP32),
+                Moment("lm head gradient", 0, head + w2, vocab * d * c, kept + grad_logits + grad_hidden)]
+    chunk = min(config.loss_chunk, tokens)
+    logits = FP32 * chunk * vocab  # one chunk's fp32 logits
+    low_logits = chunk * vocab * c if c < FP32 else 0  # the matmul's output before its cast to fp32, or after
+    # Forward: log-sum-exp and losses per token; a chunk's fp32 logits and logsumexp's two fp32 temporaries
+    # (the logits less their max, and its exp).
+    forward = kept + 2 * FP32 * tokens + 3 * logits
+    # Backward: the weight's gradient summed in fp32 over the chunks; a chunk's softmax (in place of its
+    # logits), its cast to the compute dtype, and its term of the weight's gradient, which the in-place add
+    # promotes to fp32 first where it is not; at the end that sum cast to the compute dtype.
+    summed, term = FP32 * vocab * d, vocab * d * c
+    promoted = FP32 * vocab * d if c < FP32 else 0
+    backward = kept + FP32 * tokens + grad_hidden + summed + max(logits + low_logits + term + promoted,
+                                                                 term if c < FP32 else 0)
+    return [Moment("forward", 0, head, 0, forward), Moment("loss backward", 0, head + w2, 0, backward)]
+
+
+def _blocks_backward(config, batch_size, seq, precision, rank, device) -> list[Moment]:
+    """Block i's backward inside SwiGLU's: w2's gradient in its reduce-scatter beside the one before it (the
+    LM head's above the top block, else the block above's qkv), the gradients of blocks above made but
+    that one's, the product's two gradients made from the gradient flowing in."""
+    d, d_ff, layers, tokens = config.d_model, config.d_ff, config.num_layers, batch_size * seq
+    c, levels = rank.compute, config.checkpoint
+    acts = _activations(config, batch_size, seq, precision, device)
+    block = block_weights(config)
+    qkv, out, w1, w3, w2 = block
+    # A norm saves an fp32 residual stream as it is: a recomputed block's first input is its segment's.
+    shared = acts.segment_input if precision.compute == torch.float32 else 0
+    norm_grads = 2 * d * rank.grad  # a block's two norm gains
+    lm_head = d * config.vocab_size
+    moments = []
+    for i in reversed(range(layers)):
+        above = layers - 1 - i
+        before = lm_head if above == 0 else qkv
+        done = [] if above == 0 else [lm_head] + above * block
+        if above:
+            done.remove(qkv)
+        grads = rank.shard_grads(done) + d * rank.grad + above * norm_grads
+        gathered = sum(rank.gathered(n) for n in (qkv, out, w1, w3)) if levels else rank.gathered(w3)
+        held = held_in_backward(levels, i, acts.per_layer, acts.segment_input, shared)
+        activations = held + tokens * d * c + 2 * tokens * d_ff * c
+        moments.append(Moment(f"block {i} backward", grads, gathered, rank.reducing(before) + rank.reducing(w2),
+                              activations))
+    return moments
+
+
+def _embedding_gradient(config, batch_size, seq, rank, weights, replicated_grads) -> Moment:
+    """The backward's end: the embedding's dense gradient joins the bottom block's qkv and out in flight."""
+    embedding, qkv, out = weights[0], weights[1], weights[2]
+    done = rank.shard_grads(weights[3:])
+    in_flight = sum(rank.reducing(n) for n in (embedding, qkv, out))
+    return Moment("embedding gradient", done + replicated_grads, 0, in_flight,
+                  batch_size * seq * config.d_model * rank.compute)
+
+
+def _optimizer_step(config, precision, rank, weights, replicated, device) -> Moment:
+    """Every gradient, and off CUDA AdamW's fp32 temporaries the size of the largest shard (the square root of
+    the second moment and its quotient, and a low-precision shard's gradient in fp32)."""
+    grads = rank.shard_grads(weights) + replicated * precision.grad_bytes
+    temporaries = 0 if device == "cuda" else (2 if precision.weights == torch.float32 else 3)
+    return Moment("optimizer step", grads, 0, 0, temporaries * FP32 * rank.chunk(max(weights)))

@@ -13,7 +13,6 @@ checkpointing (checkpointing.py holds its arithmetic; tests/test_checkpointing.p
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
 import torch

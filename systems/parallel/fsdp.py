@@ -276,6 +276,8 @@ class FSDP(nn.Module):
         unit.uses -= 1
         if unit.uses == 0:
             self._reduce_scatter(unit)
+            if unit.saved == 0:  # a recomputation that torch stopped early inside the module never ran `_after`
+                self._release(unit)
 
     def _reduce_scatter(self, unit: _Unit) -> None:
         full = unit.padded(unit.grad.contiguous().view(-1), self.world_size * unit.chunk, unit.grad.dtype)

@@ -1,0 +1,106 @@
+"""Measurements of memory on the CPU that the accounting's tests compare with: the bytes autograd saves, and
+the peak the CPU allocator holds in tensors."""
+
+import itertools
+
+import torch
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+from systems.accounting import model_state
+from systems.optim import AdamW
+from systems.step import forward_loss, make_model, random_batch, train_step
+
+
+def saved_tensor_bytes(model, tokens, targets, precision) -> int:
+    """Bytes of the distinct storages autograd saves in a forward pass and loss, weights and inputs excluded."""
+    excluded = {t.untyped_storage().data_ptr()
+                for t in itertools.chain(model.parameters(), model.buffers(), (tokens, targets))}
+    saved = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in excluded:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        forward_loss(model, tokens, targets, precision)
+    return sum(saved.values())
+
+
+def _allocations(events):
+    for event in events:
+        if event.typed[0] == _EventType.Allocation:
+            yield event
+        yield from _allocations(event.children)
+
+
+def cpu_peak_bytes(fn, leave_out: str | None = None) -> int:
+    """Peak of the bytes the CPU allocator holds in tensors while `fn` runs, above what it held before.
+
+    An op's workspace, memory it allocates and frees itself rather than through an op it calls, is left
+    out: the BLAS library sizes it for the CPU's instructions and thread count, and it is no tensor the
+    accounting models. oneDNN's bf16 matmul takes per-thread tiles where the CPU has bf16 instructions,
+    and an fp32 copy of the whole output where it has AVX-512 without them (ONEDNN_MAX_CPU_ISA=AVX512_CORE
+    shows that on a newer x86).
+
+    `leave_out`: allocations made inside a profiler scope whose name starts with it are left out too, e.g.
+    "gloo:" for gloo's own staging buffers, which its worker threads may free where the profiler does not see.
+    """
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(_allocations(prof.profiler.kineto_results.experimental_event_tree()),
+                    key=lambda e: e.start_time_ns)
+    changes = [(e.typed[1].ptr, e.typed[1].alloc_size, e.parent.id if e.parent else None) for e in events]
+    allocated_by, workspace = {}, set()  # pointer -> (op, index of its allocation)
+    left_out = {}  # pointer -> index of its allocation, inside a scope named `leave_out`
+    for index, (ptr, size, op) in enumerate(changes):
+        if size > 0 and leave_out is not None and _inside(events[index], leave_out):
+            left_out[ptr] = index
+            workspace.add(index)
+        elif size < 0 and ptr in left_out:
+            del left_out[ptr]
+            workspace.add(index)
+        elif size > 0:
+            allocated_by[ptr] = (op, index)
+        elif ptr in allocated_by:
+            allocating_op, allocation = allocated_by.pop(ptr)
+            if op is not None and op == allocating_op:
+                workspace |= {allocation, index}
+    held = peak = 0
+    for index, (_, size, _) in enumerate(changes):
+        if index not in workspace:
+            held += size
+            peak = max(peak, held)
+    return peak
+
+
+def _inside(event, scope: str) -> bool:
+    parent = event.parent
+    while parent is not None:
+        if parent.name.startswith(scope):
+            return True
+        parent = parent.parent
+    return False
+
+
+def training_peaks(config, batch_size: int, seq: int, precision) -> dict[str, int]:
+    """Allocation peaks of a fresh CPU model: forward (and under no_grad), forward+backward, and an AdamW step
+    once its state exists, each counting the tensors already resident, as systems.accounting.peak_memory does."""
+    cpu = torch.device("cpu")
+    model = make_model(config, cpu, precision)
+    optimizer = AdamW(model.parameters())
+    tokens, targets = random_batch(config, batch_size, seq, cpu)
+    state = model_state(config, precision)
+    resident = state.params + state.buffers  # already allocated when measuring starts
+    peaks = {"forward": resident + cpu_peak_bytes(lambda: forward_loss(model, tokens, targets, precision))}
+    with torch.no_grad():
+        peaks["inference"] = resident + cpu_peak_bytes(lambda: forward_loss(model, tokens, targets, precision))
+    peaks["forward_backward"] = resident + cpu_peak_bytes(
+        lambda: forward_loss(model, tokens, targets, precision).backward())
+    model.zero_grad(set_to_none=True)
+    train_step(model, optimizer, tokens, targets, precision)  # allocates the optimizer state
+    peaks["train_step"] = state.training + cpu_peak_bytes(
+        lambda: train_step(model, optimizer, tokens, targets, precision))
+    return peaks
