@@ -47,6 +47,8 @@ def cpu_peak_bytes(fn, leave_out: str | None = None) -> int:
 
     `leave_out`: allocations made inside a profiler scope whose name starts with it are left out too, e.g.
     "gloo:" for gloo's own staging buffers, which its worker threads may free where the profiler does not see.
+    Such a thread may also drop the last reference to a tensor made here: an allocation at a pointer still
+    held means the allocator had it back, so the earlier tensor is counted freed there.
     """
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
@@ -54,6 +56,7 @@ def cpu_peak_bytes(fn, leave_out: str | None = None) -> int:
                     key=lambda e: e.start_time_ns)
     changes = [(e.typed[1].ptr, e.typed[1].alloc_size, e.parent.id if e.parent else None) for e in events]
     allocated_by, workspace = {}, set()  # pointer -> (op, index of its allocation)
+    unseen_frees = {}  # index of an allocation at a pointer still held -> bytes the earlier one freed before it
     left_out = {}  # pointer -> index of its allocation, inside a scope named `leave_out`
     for index, (ptr, size, op) in enumerate(changes):
         if size > 0 and leave_out is not None and _inside(events[index], leave_out):
@@ -63,6 +66,9 @@ def cpu_peak_bytes(fn, leave_out: str | None = None) -> int:
             del left_out[ptr]
             workspace.add(index)
         elif size > 0:
+            if ptr in allocated_by:  # freed where the profiler did not see (a gloo worker thread dropping a Work)
+                unseen_frees[index] = changes[allocated_by[ptr][1]][1]
+            left_out.pop(ptr, None)  # likewise a staging buffer's
             allocated_by[ptr] = (op, index)
         elif ptr in allocated_by:
             allocating_op, allocation = allocated_by.pop(ptr)
@@ -71,7 +77,7 @@ def cpu_peak_bytes(fn, leave_out: str | None = None) -> int:
     held = peak = 0
     for index, (_, size, _) in enumerate(changes):
         if index not in workspace:
-            held += size
+            held += size - unseen_frees.get(index, 0)
             peak = max(peak, held)
     return peak
 

@@ -43,10 +43,20 @@ def held_in_backward(levels: tuple[int, ...], block: int, per_block: int, segmen
     if not levels:
         return (block + 1) * per_block
     held, start = 0, 0
-    for depth, size in enumerate(levels):
+    for depth, (size, inner_start) in enumerate(zip(levels, segment_starts(levels, block))):
         held += ((block - start) // size + (depth == 0)) * segment_input
-        start += (block - start) // size * size
+        start = inner_start
     return held + (block - start + 1) * per_block - shared
+
+
+def segment_starts(levels: tuple[int, ...], block: int) -> list[int]:
+    """The first block of each segment `block` lies in, outermost first: the last is where the recomputation
+    that `block`'s backward holds began."""
+    starts, start = [], 0
+    for size in levels:
+        start += (block - start) // size * size
+        starts.append(start)
+    return starts
 
 
 def recomputed_blocks(num_layers: int, levels: tuple[int, ...]) -> tuple[int, int]:

@@ -8,8 +8,10 @@ state of both. A step adds, at each moment, four things (`Moment`), and its peak
   through the backward (the replicated parameters' are made whole and are tiny);
 - gathered weights, in the compute dtype and padded to N chunks: in the forward the layer computing and the
   one prefetched; in the backward the layer whose gradient is being made and the next one, prefetched. A
-  checkpointed block's recomputation keeps its layers' weights, as autograd saves them, until each layer's
-  backward has used them: the whole block is gathered while its backward runs;
+  recomputation keeps its layers' weights, as autograd saves them, until each layer's backward has used them:
+  while a block's backward runs, every block of its innermost segment recomputed so far is gathered, all but
+  its own w2, whose gradient came first. Nothing is prefetched for a recomputation before it starts: FSDP's
+  backward order holds only the weights it saved itself, so the LM head's backward gathers the head alone;
 - gradients in flight: a weight's full-size gradient in the compute dtype from its matmul until its
   reduce-scatter is waited for, with two of them waiting at once (fsdp.REDUCE_SCATTERS_IN_FLIGHT), each beside its
   chunk of the result; gloo's reduce-scatter (device "cpu") moves every chunk to its rank first, into one
@@ -34,7 +36,7 @@ from dataclasses import dataclass
 
 import torch
 
-from systems.accounting.checkpointing import held_in_backward
+from systems.accounting.checkpointing import held_in_backward, segment_starts
 from systems.accounting.transformer import activation_memory, count_parameters, model_state
 from systems.model import TransformerConfig
 from systems.precision import FP32, Precision
@@ -157,7 +159,9 @@ def _forward_and_loss(config, batch_size, seq, precision, rank, device) -> list[
     c = rank.compute
     acts = _activations(config, batch_size, seq, precision, device)
     head_input = acts.head - (3 * acts.logits + 2 * FP32 * tokens)  # the final norm's and the LM head's input
-    head, w2 = rank.gathered(vocab * d), rank.gathered(d * config.d_ff)
+    head = rank.gathered(vocab * d)
+    # The top block's w2, prefetched for its backward, unless checkpointing recomputes the block first.
+    w2 = 0 if config.checkpoint else rank.gathered(d * config.d_ff)
     kept = acts.blocks + head_input
     grad_hidden = tokens * d * c
     if config.loss_chunk is None:
@@ -170,9 +174,10 @@ def _forward_and_loss(config, batch_size, seq, precision, rank, device) -> list[
     chunk = min(config.loss_chunk, tokens)
     logits = FP32 * chunk * vocab  # one chunk's fp32 logits
     low_logits = chunk * vocab * c if c < FP32 else 0  # the matmul's output before its cast to fp32, or after
-    # Forward: log-sum-exp and losses per token; a chunk's fp32 logits and logsumexp's two fp32 temporaries
-    # (the logits less their max, and its exp).
-    forward = kept + 2 * FP32 * tokens + 3 * logits
+    # Forward: log-sum-exp and losses per token; a chunk's fp32 logits and logsumexp's fp32 temporary (the
+    # logits less their max, exponentiated in place). From the second chunk on, the previous chunk's logits
+    # are alive until the new ones, and the matmul's output before their cast, are made.
+    forward = kept + 2 * FP32 * tokens + 2 * logits + (low_logits if tokens > chunk else 0)
     # Backward: the weight's gradient summed in fp32 over the chunks; a chunk's softmax (in place of its
     # logits), its cast to the compute dtype, and its term of the weight's gradient, which the in-place add
     # promotes to fp32 first where it is not; at the end that sum cast to the compute dtype.
@@ -191,7 +196,7 @@ def _blocks_backward(config, batch_size, seq, precision, rank, device) -> list[M
     c, levels = rank.compute, config.checkpoint
     acts = _activations(config, batch_size, seq, precision, device)
     block = block_weights(config)
-    qkv, out, w1, w3, w2 = block
+    qkv, w2 = block[0], block[-1]
     # A norm saves an fp32 residual stream as it is: a recomputed block's first input is its segment's.
     shared = acts.segment_input if precision.compute == torch.float32 else 0
     norm_grads = 2 * d * rank.grad  # a block's two norm gains
@@ -204,12 +209,21 @@ def _blocks_backward(config, batch_size, seq, precision, rank, device) -> list[M
         if above:
             done.remove(qkv)
         grads = rank.shard_grads(done) + d * rank.grad + above * norm_grads
-        gathered = sum(rank.gathered(n) for n in (qkv, out, w1, w3)) if levels else rank.gathered(w3)
+        gathered = _gathered_in_block(rank, block, levels, i)
         held = held_in_backward(levels, i, acts.per_layer, acts.segment_input, shared)
         activations = held + tokens * d * c + 2 * tokens * d_ff * c
         moments.append(Moment(f"block {i} backward", grads, gathered, rank.reducing(before) + rank.reducing(w2),
                               activations))
     return moments
+
+
+def _gathered_in_block(rank, block, levels, i) -> int:
+    """Inside block i's SwiGLU backward: w3, prefetched; under checkpointing, the blocks of its innermost
+    segment from the first to block i, recomputed, but block i's w2."""
+    qkv, out, w1, w3, w2 = (rank.gathered(n) for n in block)
+    if not levels:
+        return w3
+    return (i - segment_starts(levels, i)[-1]) * (qkv + out + w1 + w3 + w2) + qkv + out + w1 + w3
 
 
 def _embedding_gradient(config, batch_size, seq, rank, weights, replicated_grads) -> Moment:

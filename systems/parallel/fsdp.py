@@ -277,6 +277,8 @@ class FSDP(nn.Module):
         if unit.uses == 0:
             self._reduce_scatter(unit)
             if unit.saved == 0:  # a recomputation that torch stopped early inside the module never ran `_after`
+                for module in unit.modules:  # which would drop the module's view of the gathered weight
+                    module.weight = None
                 self._release(unit)
 
     def _reduce_scatter(self, unit: _Unit) -> None:
