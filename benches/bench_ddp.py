@@ -30,7 +30,7 @@ import statistics
 import pytest
 import torch
 
-from systems.accounting import flops
+from systems.accounting import flops, fsdp_memory, peak_memory
 from systems.bench.schema import DDP_BASELINES, DDP_TIMINGS, DDP_VARIANTS, POINT, DDPPoint, seconds_key
 from systems.bench.timing import record_throughput, record_timings
 from systems.parallel.train import OPTIMIZERS, TrainSpec, train
@@ -77,9 +77,22 @@ def train_in_ranks(benchmark, rank_pools, world_size: int, spec: TrainSpec, then
 
 
 def spec_for(request, **fields) -> TrainSpec:
+    """The grid options' TrainSpec (preset --ddp-preset, unless `fields` name another), with `fields`."""
     opt = request.config.getoption
-    return TrainSpec(preset=opt("ddp_preset"), batch_size=opt("batch_size"), warmup=opt("warmup_steps"),
-                     steps=opt("rounds"), **fields)
+    options = dict(preset=opt("ddp_preset"), batch_size=opt("batch_size"), warmup=opt("warmup_steps"),
+                   steps=opt("rounds"))
+    return TrainSpec(**options | fields)
+
+
+def predicted_peak_mb(spec: TrainSpec, world_size: int, device: torch.device) -> float:
+    """The largest rank's predicted peak: systems.accounting.fsdp_memory for our FSDP, peak_memory otherwise."""
+    config, precision = spec.config(), get_precision(spec.precision)
+    where = "cuda" if device.type == "cuda" else "cpu"
+    if spec.variant == "fsdp":
+        peak = fsdp_memory(config, spec.batch_size, spec.context, precision, world_size, device=where).peak
+    else:
+        peak = peak_memory(config, spec.batch_size, spec.context, precision, device=where).train_step
+    return peak / 2**20
 
 
 def mean_of_medians(ranks: list[dict], phase: str) -> float:

@@ -17,13 +17,11 @@ named after its weight (`nsys profile -t cuda,nvtx,nccl ...`).
 
 from __future__ import annotations
 
-from bench_ddp import BACKEND, mean_of_medians, record_memory, train_in_ranks
+from bench_ddp import BACKEND, mean_of_medians, predicted_peak_mb, record_memory, spec_for, train_in_ranks
 
-from systems.accounting import flops, fsdp_memory, peak_memory
+from systems.accounting import flops
 from systems.bench.schema import FSDP_TIMINGS, FSDP_VARIANTS, POINT, FSDPPoint, seconds_key
 from systems.bench.timing import record_throughput
-from systems.model import get_config
-from systems.parallel.train import TrainSpec
 from systems.precision import get_precision
 
 DDP_BUCKET_MB = 100.0
@@ -43,23 +41,12 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("fsdp_point", list(dict.fromkeys(fsdp_grid(metafunc.config))), ids=str)
 
 
-def predicted_peak_mb(point: FSDPPoint) -> float:
-    config = get_config(point.preset, context_length=point.context)
-    if point.variant == "fsdp":
-        peak = fsdp_memory(config, point.batch_size, point.context, point.precision, point.world_size).peak
-    else:
-        peak = peak_memory(config, point.batch_size, point.context, point.precision).train_step
-    return peak / 2**20
-
-
 def test_fsdp_step(benchmark, fsdp_point, rank_pools, request, device, skip_on_oom):
     point = fsdp_point
     benchmark.group = f"fsdp-step-{point.preset}-{point.precision.name}-ctx{point.context}"
-    opt = request.config.getoption
-    spec = TrainSpec(preset=point.preset, variant=point.variant, precision=point.precision.name,
-                     bucket_size_mb=DDP_BUCKET_MB if point.variant == "bucketed" else 25.0,
-                     batch_size=point.batch_size, context=point.context, warmup=opt("warmup_steps"),
-                     steps=opt("rounds"))
+    spec = spec_for(request, preset=point.preset, variant=point.variant, precision=point.precision.name,
+                    bucket_size_mb=DDP_BUCKET_MB if point.variant == "bucketed" else 25.0,
+                    batch_size=point.batch_size, context=point.context)
     info = benchmark.extra_info
     info[POINT] = point.to_dict()
     with skip_on_oom:
@@ -68,14 +55,14 @@ def test_fsdp_step(benchmark, fsdp_point, rank_pools, request, device, skip_on_o
                                     if t in ranks[0]["seconds"]})
     step = info[seconds_key("step")]
     info["tokens_per_s"] = point.world_size * point.batch_size * point.context / step
-    config = get_config(point.preset, context_length=point.context)
-    record_throughput(benchmark, seconds=step, flops=flops(config, point.batch_size, point.context).step,
+    record_throughput(benchmark, seconds=step, flops=flops(spec.config(), point.batch_size, point.context).step,
                       device=device, precision=point.precision)
     record_memory(benchmark, ranks)
-    info["predicted_peak_mb"] = predicted_peak_mb(point)
+    info["predicted_peak_mb"] = predicted_peak_mb(spec, point.world_size, device)
     if "peak_gathered_bytes" in ranks[0]:
         info["peak_gathered_mb"] = max(rank["peak_gathered_bytes"] for rank in ranks) / 2**20
-    single = _step_seconds.setdefault((point.precision, point.context, point.batch_size), step) \
-        if point.variant == "single" else _step_seconds.get((point.precision, point.context, point.batch_size))
-    if single is not None and point.variant != "single":
-        info["vs_single"] = step / single
+    shape = point.precision, point.context, point.batch_size
+    if point.variant == "single":
+        _step_seconds[shape] = step
+    elif shape in _step_seconds:
+        info["vs_single"] = step / _step_seconds[shape]

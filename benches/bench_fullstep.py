@@ -32,9 +32,9 @@ import pathlib
 
 import torch
 import torch.distributed as dist
-from bench_ddp import BACKEND, mean_of_medians, record_memory, train_in_ranks
+from bench_ddp import BACKEND, mean_of_medians, predicted_peak_mb, record_memory, spec_for, train_in_ranks
 
-from systems.accounting import flops, fsdp_memory, peak_memory, recomputed_flops
+from systems.accounting import flops, recomputed_flops
 from systems.bench.schema import FSDP_TIMINGS, POINT, FullStepPoint, seconds_key
 from systems.bench.timing import record_throughput
 from systems.parallel.train import TrainSpec
@@ -95,21 +95,10 @@ def seconds_since_process_start() -> float | None:
 
 
 def spec_of(point: FullStepPoint, request) -> TrainSpec:
-    opt = request.config.getoption
-    return TrainSpec(preset=point.preset, variant=point.variant, precision=point.precision.name,
-                     batch_size=point.batch_size, context=point.context, warmup=opt("warmup_steps"),
-                     steps=opt("rounds"), attention=point.attention,
-                     checkpoint=() if point.checkpoint_blocks is None else (point.checkpoint_blocks,),
-                     loss_chunk=point.loss_chunk)
-
-
-def predicted_peak_mb(point: FullStepPoint, config, device) -> float:
-    """The largest rank's predicted peak: systems.accounting.fsdp_memory for our FSDP, peak_memory otherwise."""
-    where = "cuda" if device.type == "cuda" else "cpu"
-    if point.variant == "fsdp":
-        memory = fsdp_memory(config, point.batch_size, point.context, point.precision, point.world_size, device=where)
-        return memory.peak / 2**20
-    return peak_memory(config, point.batch_size, point.context, point.precision, device=where).train_step / 2**20
+    return spec_for(request, preset=point.preset, variant=point.variant, precision=point.precision.name,
+                    batch_size=point.batch_size, context=point.context, attention=point.attention,
+                    checkpoint=() if point.checkpoint_blocks is None else (point.checkpoint_blocks,),
+                    loss_chunk=point.loss_chunk)
 
 
 def test_fullstep(benchmark, fullstep_point, rank_pools, request, device, skip_on_oom):
@@ -134,6 +123,6 @@ def test_fullstep(benchmark, fullstep_point, rank_pools, request, device, skip_o
                 recomputed_tflop=recomputed_flops(config, point.batch_size, point.context).forward / 1e12)
     record_throughput(benchmark, seconds=step, flops=model.flash_step, device=device, precision=point.precision)
     record_memory(benchmark, ranks)
-    info["predicted_peak_mb"] = predicted_peak_mb(point, config, device)
+    info["predicted_peak_mb"] = predicted_peak_mb(spec, point.world_size, device)
     if "memory_mb" in ranks[0]:
         info["peak_memory_mb_per_rank"] = [max(rank["memory_mb"].values()) for rank in ranks]
