@@ -10,7 +10,8 @@ import matplotlib.image
 import pytest
 
 from systems.accounting import BucketedAllReduce, count_parameters, peak_memory
-from systems.bench.schema import POINT, AllReducePoint, AttentionPoint, DDPPoint, ModelPoint, read_point
+from systems.bench.schema import (POINT, AllReducePoint, AttentionPoint, DDPPoint, FSDPPoint, ModelPoint,
+                                  read_point)
 from systems.model import get_config
 from systems.precision import PRECISIONS
 from systems.report import main
@@ -261,6 +262,33 @@ def test_bucket_sweep_shows_the_bucket_model(tmp_path):
     buckets = -(-model.param_bytes // 2**20)
     assert rows[0][7] == f"{model.overhead(int(buckets)) * 1e3:.4g}"
     assert float(rows[0][8]) == pytest.approx(model.optimal_bucket_bytes() / 2**20, rel=1e-3)
+
+
+def test_fsdp_table_puts_each_variant_beside_one_process_with_its_peak_against_the_prediction(tmp_path):
+    """Saved out of order, the FSDP points come back in the comparison's order (one process, DDP, ours, torch's),
+    with the step and all-gather wait in ms, the largest of the recorded peaks, and that peak over the prediction."""
+    def fsdp(variant: str, step: float, **figures) -> dict:
+        point = FSDPPoint(variant, "xl", BF16, 512, 16, 1 if variant == "single" else 2)
+        return bench(f"benches/bench_fsdp.py::test_fsdp_step[{point}]", step,
+                     **{POINT: point.to_dict(), "step_s": step, "forward_s": step / 3, **figures})
+
+    benchmarks = [fsdp("fsdp2", 0.5, vs_single=1.25, memory_before_step_mb=900.0, memory_after_step_mb=950.0),
+                  fsdp("fsdp", 0.48, vs_single=1.2, gather_wait_s=0.0123, memory_before_step_mb=1200.0,
+                       memory_after_step_mb=1100.0, predicted_peak_mb=1000.0, peak_gathered_mb=64.0),
+                  fsdp("single", 0.4), fsdp("bucketed", 0.45, vs_single=1.125)]
+    oom = (("benches/bench_fsdp.py::test_fsdp_step", FSDPPoint("fsdp", "xl", BF16, 1024, 16, 2)),)
+    save_run(tmp_path / "storage", 1, benchmarks, oom, form="new")
+    code, out = report(tmp_path)
+    assert code == 0
+    rows = table_rows(out / "fsdp.md")
+    assert [row[4] for row in rows] == ["single", "bucketed", "fsdp", "fsdp2", "fsdp"]
+    columns = [cell.strip() for cell in (out / "fsdp.md").read_text().split("\n")[4].strip("|").split("|")]
+    ours = dict(zip(columns, rows[2]))
+    assert (ours["step"], ours["forward"], ours["all-gather wait"]) == ("480", "160", "12.3")
+    assert (ours["peak"], ours["predicted peak"], ours["peak / predicted"]) == ("1200", "1000", "1.20")
+    assert (ours["vs single"], ours["gathered weights"]) == ("1.2", "64")
+    assert dict(zip(columns, rows[3]))["peak"] == "950"
+    assert rows[4][2:6] == ["1024", "2", "fsdp", "OOM"]
 
 
 def test_runs_saved_before_the_back_to_back_figures_show_their_figures_as_per_call(tmp_path):
