@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from systems.accounting import flops, fsdp_memory, peak_memory
+from systems.bench.breakdown import profile_step
 from systems.bench.schema import DDP_BASELINES, DDP_TIMINGS, DDP_VARIANTS, POINT, DDPPoint, seconds_key
 from systems.bench.timing import record_throughput, record_timings
 from systems.parallel.train import OPTIMIZERS, TrainSpec, train
@@ -97,6 +98,16 @@ def predicted_peak_mb(spec: TrainSpec, world_size: int, device: torch.device) ->
 
 def mean_of_medians(ranks: list[dict], phase: str) -> float:
     return statistics.mean(statistics.median(rank["seconds"][phase]) for rank in ranks)
+
+
+def step_breakdown(model, step) -> dict:
+    """`train`'s `then`: one more step profiled for where its GPU time goes (systems.bench.breakdown)."""
+    return {"breakdown": profile_step(step).to_dict()} if torch.cuda.is_available() else {}
+
+
+def record_breakdown(benchmark, ranks: list[dict]) -> None:
+    if "breakdown" in ranks[0]:
+        benchmark.extra_info["breakdown_per_rank"] = [rank["breakdown"] for rank in ranks]
 
 
 def record_memory(benchmark, ranks: list[dict]) -> None:

@@ -10,14 +10,17 @@ extra_info: the step and its phases in seconds (bench_ddp's), `gather_wait_s` fo
 compute stream waited on all-gathers, CUDA events around the waits: the all-gathers prefetch did not hide),
 peak memory per rank (`memory_*_mb`, the largest rank's) beside `predicted_peak_mb`
 (systems.accounting.fsdp_memory for our FSDP; systems.accounting.peak_memory for one process and DDP),
-`peak_gathered_mb` (the gathered weights our FSDP held at once) and `vs_single`.
+`peak_gathered_mb` (the gathered weights our FSDP held at once), `vs_single`, and on a GPU
+`breakdown_per_rank`: one more step profiled for where its GPU time went (systems.bench.breakdown: matmuls,
+attention, communication and the part of it not hidden, the optimizer, GPU idle as `span_s - busy_s`).
 nsys shows whether the all-gathers finish in time: every all-gather and reduce-scatter is an NVTX range
 named after its weight (`nsys profile -t cuda,nvtx,nccl ...`).
 """
 
 from __future__ import annotations
 
-from bench_ddp import BACKEND, mean_of_medians, predicted_peak_mb, record_memory, spec_for, train_in_ranks
+from bench_ddp import (BACKEND, mean_of_medians, predicted_peak_mb, record_breakdown, record_memory, spec_for,
+                       step_breakdown, train_in_ranks)
 
 from systems.accounting import flops
 from systems.bench.schema import FSDP_TIMINGS, FSDP_VARIANTS, POINT, FSDPPoint, seconds_key
@@ -50,7 +53,7 @@ def test_fsdp_step(benchmark, fsdp_point, rank_pools, request, device, skip_on_o
     info = benchmark.extra_info
     info[POINT] = point.to_dict()
     with skip_on_oom:
-        ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec)
+        ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec, step_breakdown)
     info.update(backend=BACKEND, **{seconds_key(t): mean_of_medians(ranks, t) for t in FSDP_TIMINGS
                                     if t in ranks[0]["seconds"]})
     step = info[seconds_key("step")]
@@ -58,6 +61,7 @@ def test_fsdp_step(benchmark, fsdp_point, rank_pools, request, device, skip_on_o
     record_throughput(benchmark, seconds=step, flops=flops(spec.config(), point.batch_size, point.context).step,
                       device=device, precision=point.precision)
     record_memory(benchmark, ranks)
+    record_breakdown(benchmark, ranks)
     info["predicted_peak_mb"] = predicted_peak_mb(spec, point.world_size, device)
     if "peak_gathered_bytes" in ranks[0]:
         info["peak_gathered_mb"] = max(rank["peak_gathered_bytes"] for rank in ranks) / 2**20

@@ -20,8 +20,11 @@ the largest rank's prediction (`predicted_peak_mb`: systems.accounting.fsdp_memo
 `cold_start_s`: from this pytest process's start to the end of the point's timed job. For a cold run as the
 leaderboard's, give it an empty TRITON_CACHE_DIR and run this point alone.
 
-nsys splits the step: NVTX ranges `forward`, `backward`, `optimizer_step` (systems.step), one per all-gather
-and reduce-scatter (systems.parallel.collectives), `loss` and `loss_recompute` (systems.loss):
+`breakdown_per_rank` says where each rank's GPU time went in one profiled step (systems.bench.breakdown:
+matmuls, attention forward and backward, communication and the part of it not hidden, the optimizer, the loss,
+recomputation). nsys splits the step by the same ranges: `forward`, `backward`, `optimizer_step`
+(systems.step), one per all-gather and reduce-scatter (systems.parallel.collectives), `loss` and
+`loss_recompute` (systems.loss), `recompute` (systems.model's checkpointing):
 `nsys profile -t cuda,nvtx,nccl --capture-range=none -o fullstep pytest benches/bench_fullstep.py ...`.
 """
 
@@ -32,9 +35,11 @@ import pathlib
 
 import torch
 import torch.distributed as dist
-from bench_ddp import BACKEND, mean_of_medians, predicted_peak_mb, record_memory, spec_for, train_in_ranks
+from bench_ddp import (BACKEND, mean_of_medians, predicted_peak_mb, record_breakdown, record_memory, spec_for,
+                       train_in_ranks)
 
 from systems.accounting import flops, recomputed_flops
+from systems.bench.breakdown import profile_step
 from systems.bench.schema import FSDP_TIMINGS, POINT, FullStepPoint, seconds_key
 from systems.bench.timing import record_throughput
 from systems.parallel.train import TrainSpec
@@ -61,14 +66,16 @@ def pytest_generate_tests(metafunc):
 
 
 def leaderboard_timing(model, step) -> dict:
-    """`step()` (one whole training step) timed by triton.testing.do_bench, median seconds; on a GPU only."""
+    """`step()` (one whole training step) timed by triton.testing.do_bench, median seconds, and one more step
+    profiled for where its GPU time goes (systems.bench.breakdown); on a GPU only."""
     if not torch.cuda.is_available():
         return {}
     from triton.testing import do_bench  # here: triton is a GPU dependency of this timing only
 
     ms = _agreed_step_ms(step)
-    return {"do_bench_s": do_bench(step, warmup=(DO_BENCH_WARMUP + 0.5) * ms, rep=(DO_BENCH_REPEATS + 0.5) * ms,
-                                   return_mode="median") / 1e3}
+    seconds = do_bench(step, warmup=(DO_BENCH_WARMUP + 0.5) * ms, rep=(DO_BENCH_REPEATS + 0.5) * ms,
+                       return_mode="median") / 1e3
+    return {"do_bench_s": seconds, "breakdown": profile_step(step).to_dict()}
 
 
 def _agreed_step_ms(step) -> float:
@@ -123,6 +130,7 @@ def test_fullstep(benchmark, fullstep_point, rank_pools, request, device, skip_o
                 recomputed_tflop=recomputed_flops(config, point.batch_size, point.context).forward / 1e12)
     record_throughput(benchmark, seconds=step, flops=model.flash_step, device=device, precision=point.precision)
     record_memory(benchmark, ranks)
+    record_breakdown(benchmark, ranks)
     info["predicted_peak_mb"] = predicted_peak_mb(spec, point.world_size, device)
     if "memory_mb" in ranks[0]:
         info["peak_memory_mb_per_rank"] = [max(rank["memory_mb"].values()) for rank in ranks]

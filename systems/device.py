@@ -22,7 +22,16 @@ def synchronize(device: torch.device) -> None:
 
 
 def nvtx_range(name: str):
-    """An NVTX range for `nsys profile --capture-range=nvtx`, or nothing off-GPU."""
-    if torch.cuda.is_available():
+    """A named range of the step on a GPU: an NVTX range for nsys, and a torch.profiler range for
+    systems.bench.breakdown (under torch.compile's tracing the NVTX one only, as before). Nothing off-GPU."""
+    if not torch.cuda.is_available():
+        return contextlib.nullcontext()
+    if torch.compiler.is_compiling():
         return torch.cuda.nvtx.range(name)
-    return contextlib.nullcontext()
+    return _profiled_range(name)
+
+
+@contextlib.contextmanager
+def _profiled_range(name: str):
+    with torch.cuda.nvtx.range(name), torch.profiler.record_function(name):
+        yield

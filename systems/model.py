@@ -7,6 +7,7 @@ backward recomputes (activation checkpointing) by `TransformerConfig.checkpoint`
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from systems import attention
+from systems.device import nvtx_range
 from systems.loss import LMHead
 
 
@@ -217,6 +219,12 @@ class TransformerLM(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
+def _recompute_contexts():
+    """Checkpointing's (forward, recomputation) contexts: the recomputation as a `recompute` range
+    (systems.bench.breakdown, nsys)."""
+    return contextlib.nullcontext(), nvtx_range("recompute")
+
+
 def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, levels: tuple[int, ...]) -> torch.Tensor:
     """The blocks in order; with levels (k, *inner), as segments of k blocks of which autograd keeps only the
     input, recomputing the rest in the backward, where `inner` checkpoints the recomputation in turn.
@@ -230,9 +238,11 @@ def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, levels: tuple[int, ...]) 
             x = block(x)
         return x
     size, inner = levels[0], levels[1:]
+    # torch.compile traces checkpoint only with its default contexts.
+    contexts = {} if torch.compiler.is_compiling() else {"context_fn": _recompute_contexts}
     for start in range(0, len(blocks), size):
         x = checkpoint(run_blocks, blocks[start:start + size], x, inner, use_reentrant=False,
-                       preserve_rng_state=False)
+                       preserve_rng_state=False, **contexts)
     return x
 
 

@@ -39,11 +39,12 @@ def _allocations(events):
 def cpu_peak_bytes(fn, leave_out: str | None = None) -> int:
     """Peak of the bytes the CPU allocator holds in tensors while `fn` runs, above what it held before.
 
-    An op's workspace, memory it allocates and frees itself rather than through an op it calls, is left
-    out: the BLAS library sizes it for the CPU's instructions and thread count, and it is no tensor the
-    accounting models. oneDNN's bf16 matmul takes per-thread tiles where the CPU has bf16 instructions,
-    and an fp32 copy of the whole output where it has AVX-512 without them (ONEDNN_MAX_CPU_ISA=AVX512_CORE
-    shows that on a newer x86).
+    An op's workspace, memory it allocates and frees itself, directly or (an ATen op) through `aten::empty`,
+    rather than through an op that computes something, is left out: the BLAS library and ATen's CPU flash
+    attention size it for the CPU's instructions and thread count (attention takes a query-block by key-block
+    fp32 tile per thread), and it is no tensor the accounting models. oneDNN's bf16 matmul takes per-thread
+    tiles where the CPU has bf16 instructions, and an fp32 copy of the whole output where it has AVX-512
+    without them (ONEDNN_MAX_CPU_ISA=AVX512_CORE shows that on a newer x86).
 
     `leave_out`: allocations made inside a profiler scope whose name starts with it are left out too, e.g.
     "gloo:" for gloo's own staging buffers, which its worker threads may free where the profiler does not see.
@@ -54,7 +55,7 @@ def cpu_peak_bytes(fn, leave_out: str | None = None) -> int:
         fn()
     events = sorted(_allocations(prof.profiler.kineto_results.experimental_event_tree()),
                     key=lambda e: e.start_time_ns)
-    changes = [(e.typed[1].ptr, e.typed[1].alloc_size, e.parent.id if e.parent else None) for e in events]
+    changes = [(e.typed[1].ptr, e.typed[1].alloc_size, _owner(e)) for e in events]
     allocated_by, workspace = {}, set()  # pointer -> (op, index of its allocation)
     unseen_frees = {}  # index of an allocation at a pointer still held -> bytes the earlier one freed before it
     left_out = {}  # pointer -> index of its allocation, inside a scope named `leave_out`
@@ -80,6 +81,19 @@ def cpu_peak_bytes(fn, leave_out: str | None = None) -> int:
             held += size - unseen_frees.get(index, 0)
             peak = max(peak, held)
     return peak
+
+
+def _owner(event) -> int | None:
+    """The op an allocation or free happened in; for a bare `aten::empty` that an ATen op called, that op.
+
+    Only an ATen op: Python code runs inside other scopes too, and what its `torch.empty` makes is a tensor
+    the accounting models, not scratch. FSDP gathers a saved weight in a saved-tensor hook inside the
+    autograd node that unpacks it, which drops the weight before it returns (the chunked loss's backward)."""
+    parent = event.parent
+    if (parent is not None and parent.name == "aten::empty" and parent.parent is not None
+            and parent.parent.name.startswith("aten::")):
+        parent = parent.parent
+    return parent.id if parent is not None else None
 
 
 def _inside(event, scope: str) -> bool:

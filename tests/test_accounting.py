@@ -123,6 +123,46 @@ def test_cpu_peak_bytes_counts_tensors_and_leaves_out_workspace():
     assert cpu_peak_bytes(lambda: torch.log_softmax(a, dim=-1, dtype=torch.float32)) == 4 * a.nbytes
 
 
+@pytest.mark.parametrize("threads", [1, 3, 32])
+def test_cpu_peak_bytes_leaves_out_attentions_per_thread_scratch(threads):
+    """ATen's CPU flash attention takes a scratch tile per thread through aten::empty: left out, a peak is
+    the same on a laptop and on a 32-core server. What is counted: the output and the fp32 log-sum-exp, which
+    the attention op makes and its caller frees."""
+    q = torch.randn(2, 4, 256, 64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        peak = cpu_peak_bytes(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
+    finally:
+        torch.set_num_threads(before)
+    assert peak == q.nbytes + 2 * 4 * 256 * 4
+
+
+class _GathersInBackward(torch.autograd.Function):
+    """x.sum(), whose backward makes a tensor with torch.empty and drops it before it returns, as FSDP's
+    saved-tensor hook gathers a weight inside the autograd node that uses it."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.numel = x.numel()
+        return x.sum()
+
+    @staticmethod
+    def backward(ctx, grad):
+        gathered = torch.empty(GATHERED_NUMEL).fill_(1.0)
+        return gathered[:ctx.numel] * grad
+
+
+GATHERED_NUMEL = 1 << 16
+
+
+def test_cpu_peak_bytes_counts_a_tensor_python_makes_inside_a_scope():
+    """Workspace is an ATen op's own scratch: a bare aten::empty called from Python code, here inside an
+    autograd node's scope, is a tensor even when that scope frees it."""
+    x = torch.randn(1024, requires_grad=True)
+    assert cpu_peak_bytes(lambda: _GathersInBackward.apply(x).backward()) >= 4 * GATHERED_NUMEL
+
+
 @pytest.mark.parametrize("precision", precisions("fp32", "bf16", "bf16-weights"))
 @pytest.mark.parametrize("config", [
     get_config("tiny", attention="naive"),

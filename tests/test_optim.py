@@ -80,6 +80,36 @@ def test_fused_adamw_matches_torch(fused_path, weights, hyper):
             torch.testing.assert_close(p.detach(), master.to(weights), rtol=torch.finfo(weights).eps, atol=0)
 
 
+def _laid_out(grad: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same values as `grad`, contiguous, transposed in memory (as a matmul's weight gradient can come),
+    or in a buffer 4 bytes off a 16-byte boundary (as a view into a packed gradient buffer)."""
+    if layout == "transposed":
+        return grad.T.contiguous().T
+    if layout == "offset":
+        packed = torch.empty(grad.numel() + 1, dtype=grad.dtype, device=grad.device)
+        packed[1:] = grad.reshape(-1)
+        return packed[1:].view_as(grad)
+    return grad.clone()
+
+
+@pytest.mark.parametrize("device_kind", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fused_update_does_not_depend_on_where_the_gradient_lies(fused_path):
+    """One update, whatever the gradient's layout: bitwise, as one process and FSDP shards compare."""
+    start = torch.randn(64, 96, device=fused_path)
+    grads = [torch.randn(64, 96, device=fused_path) * 1e-3 for _ in LRS]
+    params = {}
+    for layout in ("contiguous", "transposed", "offset"):
+        param = torch.nn.Parameter(start.clone())
+        optimizer = AdamW([param], lr=LRS[0], weight_decay=0.1)
+        for grad, lr in zip(grads, LRS):
+            param.grad = _laid_out(grad, layout)
+            optimizer.param_groups[0]["lr"] = lr
+            optimizer.step()
+        params[layout] = param.detach()
+    assert torch.equal(params["transposed"], params["contiguous"])
+    assert torch.equal(params["offset"], params["contiguous"])
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_low_precision_weights_keep_fp32_masters(device):
     """bf16 weights updated by steps far below their resolution: the fp32 master copy follows

@@ -10,8 +10,9 @@ import matplotlib.image
 import pytest
 
 from systems.accounting import BucketedAllReduce, count_parameters, peak_memory
-from systems.bench.schema import (POINT, AllReducePoint, AttentionPoint, DDPPoint, FSDPPoint, ModelPoint,
-                                  read_point)
+from systems.bench.breakdown import StepBreakdown
+from systems.bench.schema import (POINT, AllReducePoint, AttentionPoint, DDPPoint, FSDPPoint, FullStepPoint,
+                                  ModelPoint, read_point)
 from systems.model import get_config
 from systems.precision import PRECISIONS
 from systems.report import main
@@ -264,14 +265,30 @@ def test_bucket_sweep_shows_the_bucket_model(tmp_path):
     assert float(rows[0][8]) == pytest.approx(model.optimal_bucket_bytes() / 2**20, rel=1e-3)
 
 
+def fsdp(variant: str, step: float, **figures) -> dict:
+    """A bench_fsdp benchmark of the xl model at context 512, as the bench saves it."""
+    point = FSDPPoint(variant, "xl", BF16, 512, 16, 1 if variant == "single" else 2)
+    return bench(f"benches/bench_fsdp.py::test_fsdp_step[{point}]", step,
+                 **{POINT: point.to_dict(), "step_s": step, "forward_s": step / 3, **figures})
+
+
+def fullstep(attention: str, step: float, checkpoint_blocks: int | None = 1, **figures) -> dict:
+    """A bench_fullstep benchmark of the leaderboard's point on 2 ranks, as the bench saves it."""
+    point = FullStepPoint("fsdp", "leaderboard-2026", BF16, 32768, 1, 2, attention, checkpoint_blocks, 4096)
+    return bench(f"benches/bench_fullstep.py::test_fullstep[{point}]", step,
+                 **{POINT: point.to_dict(), "step_s": step, "forward_s": step / 3, **figures})
+
+
+def step_breakdown(span: float, busy: float) -> dict:
+    """One rank's breakdown as the benches record it, the busy time split in fixed shares."""
+    shares = dict(matmul_s=0.4, attention_forward_s=0.15, attention_backward_s=0.25, communication_s=0.1,
+                  communication_exposed_s=0.02, other_s=0.1, optimizer_s=0.01, loss_s=0.02, recompute_s=0.2)
+    return StepBreakdown(span_s=span, busy_s=busy, **{k: share * busy for k, share in shares.items()}).to_dict()
+
+
 def test_fsdp_table_puts_each_variant_beside_one_process_with_its_peak_against_the_prediction(tmp_path):
     """Saved out of order, the FSDP points come back in the comparison's order (one process, DDP, ours, torch's),
     with the step and all-gather wait in ms, the largest of the recorded peaks, and that peak over the prediction."""
-    def fsdp(variant: str, step: float, **figures) -> dict:
-        point = FSDPPoint(variant, "xl", BF16, 512, 16, 1 if variant == "single" else 2)
-        return bench(f"benches/bench_fsdp.py::test_fsdp_step[{point}]", step,
-                     **{POINT: point.to_dict(), "step_s": step, "forward_s": step / 3, **figures})
-
     benchmarks = [fsdp("fsdp2", 0.5, vs_single=1.25, memory_before_step_mb=900.0, memory_after_step_mb=950.0),
                   fsdp("fsdp", 0.48, vs_single=1.2, gather_wait_s=0.0123, memory_before_step_mb=1200.0,
                        memory_after_step_mb=1100.0, predicted_peak_mb=1000.0, peak_gathered_mb=64.0),
@@ -289,6 +306,75 @@ def test_fsdp_table_puts_each_variant_beside_one_process_with_its_peak_against_t
     assert (ours["vs single"], ours["gathered weights"]) == ("1.2", "64")
     assert dict(zip(columns, rows[3]))["peak"] == "950"
     assert rows[4][2:6] == ["1024", "2", "fsdp", "OOM"]
+
+
+def columns_and_rows(path: pathlib.Path) -> list[dict[str, str]]:
+    """A table's rows, each as {column: cell}."""
+    header = next(line for line in path.read_text().splitlines() if line.startswith("|"))
+    columns = [cell.strip() for cell in header.strip("|").split("|")]
+    return [dict(zip(columns, row)) for row in table_rows(path)]
+
+
+def test_fullstep_table_is_compact_and_replaces_the_dump_of_every_figure(tmp_path):
+    """The leaderboard's figures per point (do_bench step, MFU, tokens/s, each rank's peak against the
+    prediction, cold start), points in order, an out-of-memory point as a row, and no generic table."""
+    figures = dict(do_bench_s=6.5, mfu=0.3939, tokens_per_s=10123.5, peak_memory_mb_per_rank=[70535.6, 70000.0],
+                   predicted_peak_mb=70200.5, cold_start_s=115.45)
+    oom = (("benches/bench_fullstep.py::test_fullstep",
+            FullStepPoint("fsdp", "leaderboard-2026", BF16, 65536, 1, 2, "sdpa", 1, 4096)),)
+    save_run(tmp_path / "storage", 1, [fullstep("sdpa", 6.53, **figures), fullstep("flash", 7.03, None)], oom,
+             form="new")
+    code, out = report(tmp_path)
+    assert code == 0
+    rows = columns_and_rows(out / "fullstep.md")
+    assert [(row["context"], row["attention"], row["checkpoint every"]) for row in rows] == [
+        ("32768", "flash", "none"), ("32768", "sdpa", "1"), ("65536", "sdpa", "1")]
+    assert {k: rows[1][k] for k in ("step", "do_bench step", "MFU", "tokens/s", "peak per rank", "predicted peak",
+                                    "peak / predicted", "cold start (s)")} == {
+        "step": "6.53", "do_bench step": "6.5", "MFU": "39.4%", "tokens/s": "10,124", "peak per rank": "68.88, 68.36",
+        "predicted peak": "68.56", "peak / predicted": "1.00", "cold start (s)": "115.5"}
+    assert rows[2]["step"] == "OOM"
+    assert not (out / "bench_fullstep_test_fullstep.md").exists()
+
+
+def test_breakdown_table_has_a_row_per_point_and_rank_with_idle_the_span_less_busy(tmp_path):
+    """Bench by bench, points in their tables' order, ranks in order; a point without breakdowns has no rows."""
+    spans = {"flash": [(0.5, 0.45), (0.5, 0.4)], "sdpa": [(0.4, 0.4), (0.42, 0.3)], "fsdp": [(0.2, 0.15), (0.2, 0.1)]}
+    benchmarks = [fullstep(attention, 1.0, breakdown_per_rank=[step_breakdown(*s) for s in spans[attention]])
+                  for attention in ("sdpa", "flash")]
+    benchmarks += [fsdp("fsdp", 0.2, breakdown_per_rank=[step_breakdown(*s) for s in spans["fsdp"]]),
+                   fsdp("single", 0.1)]
+    save_run(tmp_path / "storage", 1, benchmarks, form="new")
+    code, out = report(tmp_path)
+    assert code == 0
+    rows = columns_and_rows(out / "breakdown.md")
+    assert [(row["bench"], row["variant"], row["attention"], row["rank"]) for row in rows] == [
+        ("fsdp", "fsdp", "", "0"), ("fsdp", "fsdp", "", "1"), ("fullstep", "fsdp", "flash", "0"),
+        ("fullstep", "fsdp", "flash", "1"), ("fullstep", "fsdp", "sdpa", "0"), ("fullstep", "fsdp", "sdpa", "1")]
+    for row, (span, busy) in zip(rows, spans["fsdp"] + spans["flash"] + spans["sdpa"]):
+        assert (row["span"], row["busy"]) == (f"{span * 1e3:.4g}", f"{busy * 1e3:.4g}")
+        assert row["idle"] == f"{(span - busy) * 1e3:.4g} ({(span - busy) / span:.1%})"
+        assert row["matmul"] == f"{0.4 * busy * 1e3:.4g} ({0.4 * busy / span:.1%})"
+    assert rows[0]["idle"] == "50 (25.0%)" and rows[4]["idle"] == "0 (0.0%)"
+    assert rows[2]["recompute"] == "90 (18.0%)" and rows[2]["checkpoint every"] == "1"
+
+
+@pytest.mark.parametrize("benchmarks", [[fsdp("fsdp", 0.2)], [fullstep("sdpa", 6.5)], []],
+                         ids=["fsdp", "fullstep", "neither"])
+def test_points_without_breakdowns_have_no_breakdown_table(tmp_path, benchmarks):
+    save_run(tmp_path / "storage", 1, benchmarks + distributed_benchmarks()[:1], form="new")
+    code, out = report(tmp_path)
+    assert code == 0
+    assert not (out / "breakdown.md").exists() and "GPU time goes" not in (out / "report.md").read_text()
+
+
+@pytest.mark.parametrize("broken", [{"recompute_s": None}, {"gpu_s": 0.4}], ids=["field-missing", "unknown-field"])
+def test_a_breakdown_that_is_not_a_step_breakdown_is_a_bad_history(tmp_path, capsys, broken):
+    record = {k: v for k, v in {**step_breakdown(0.5, 0.4), **broken}.items() if v is not None}
+    save_run(tmp_path / "storage", 1, [fullstep("sdpa", 6.5, breakdown_per_rank=[record])], form="new")
+    code, _ = report(tmp_path)
+    err = capsys.readouterr().err
+    assert code == 2 and err.startswith("report: error: test_fullstep[") and "breakdown_per_rank" in err
 
 
 def test_runs_saved_before_the_back_to_back_figures_show_their_figures_as_per_call(tmp_path):

@@ -108,9 +108,19 @@ def _check_hyperparameters(*, lr, betas, eps, weight_decay) -> None:
 
 
 def _fusable(p: torch.Tensor) -> bool:
-    """Whether the fused kernel can update `p`: on CUDA, contiguous and 16-byte aligned, gradient of its dtype."""
-    return p.is_cuda and p.dtype == p.grad.dtype and p.dtype in (torch.float32, *LOW_PRECISION) and all(
-        t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (p, p.grad))
+    """Whether the fused kernel can update `p`: on CUDA, contiguous and 16-byte aligned (the gradient is copied
+    where it is not), gradient of its dtype."""
+    return p.is_cuda and p.dtype == p.grad.dtype and p.dtype in (torch.float32, *LOW_PRECISION) and _aligned(p)
+
+
+def _aligned(t: torch.Tensor) -> bool:
+    return t.is_contiguous() and t.data_ptr() % 16 == 0
+
+
+def _kernel_ready(grad: torch.Tensor) -> torch.Tensor:
+    """`grad`, copied where the kernel cannot read it as it is (a transposed matmul's gradient, a view into
+    a packed buffer): the update, fused or not, must not depend on where the gradient lies in memory."""
+    return grad if _aligned(grad) else grad.clone(memory_format=torch.contiguous_format)
 
 
 def adamw_update_torch(p, grad, exp_avg, exp_avg_sq, *, step, lr, betas, eps, weight_decay):
@@ -132,6 +142,6 @@ def adamw_update_fused(params, states, *, lr, betas, eps, weight_decay):
         masters, weights = [s["master"] for s in states], params
     else:
         masters, weights = params, None
-    adamw_step(masters, [p.grad for p in params], [s["exp_avg"] for s in states],
+    adamw_step(masters, [_kernel_ready(p.grad) for p in params], [s["exp_avg"] for s in states],
                [s["exp_avg_sq"] for s in states], [s["step"] for s in states], weights=weights,
                lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)

@@ -1,8 +1,9 @@
 """The collectives FSDP is built from, asynchronous, with averaging whose rounding one process can reproduce;
 and a clock for the time the compute stream spends waiting on them.
 
-Under NCCL each is one library call on NCCL's stream (`ReduceOp.AVG`: NCCL premultiplies by 1/N and sums,
-which on 2 ranks is exactly (a + b) / 2). Gloo's reduce-scatter and all-reduce sum in ring order, which
+Under NCCL each is one library call on NCCL's stream, a sum, divided by N on this rank once it arrives:
+on 2 ranks exactly (a + b) / 2, as one process computes it. (`ReduceOp.AVG` premultiplies each term by 1/N
+instead, which in fp16 drops the last bit of every subnormal gradient.) Gloo's reduce-scatter and all-reduce sum in ring order, which
 differs from chunk to chunk, so under gloo (CPU, where overlap buys nothing) a reduction moves every rank's
 contribution to where it is summed (all-to-all, or all-gather) and sums them there in rank order, then
 divides by N: the same arithmetic as one process accumulating per-rank gradients in rank order, at any
@@ -25,7 +26,8 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 
 
 class Pending:
-    """An asynchronous collective and what completes it once it has arrived (the rank-ordered sum under gloo)."""
+    """An asynchronous collective and what completes it once it has arrived (the division by N, and under gloo
+    the rank-ordered sum before it)."""
 
     def __init__(self, work: dist.Work, then: Callable[[], None] | None = None):
         self.work, self.then = work, then
@@ -47,7 +49,8 @@ def reduce_scatter_mean(output: torch.Tensor, full: torch.Tensor, name: str) -> 
     """This rank's chunk of the mean over ranks of `full` (world_size chunks the size of `output`)."""
     with nvtx_range(f"reduce_scatter {name}"):
         if dist.get_backend() == "nccl":
-            return Pending(_reduce_scatter_single(output, full, op=dist.ReduceOp.AVG, async_op=True))
+            work = _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, async_op=True)
+            return Pending(work, lambda: output.div_(dist.get_world_size()))
         chunks = torch.empty_like(full)  # chunk r: rank r's part of this rank's chunk
         work = dist.all_to_all_single(chunks, full, async_op=True)
         return Pending(work, lambda: _mean_in_rank_order(chunks.view(dist.get_world_size(), -1), output))
@@ -57,7 +60,8 @@ def all_reduce_mean(tensor: torch.Tensor, name: str) -> Pending:
     """`tensor` averaged over the ranks, in place."""
     with nvtx_range(f"all_reduce {name}"):
         if dist.get_backend() == "nccl":
-            return Pending(dist.all_reduce(tensor, op=dist.ReduceOp.AVG, async_op=True))
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
+            return Pending(work, lambda: tensor.div_(dist.get_world_size()))
         rows = tensor.new_empty(dist.get_world_size() * tensor.numel())
         work = _all_gather_single(rows, tensor, async_op=True)
         return Pending(work, lambda: _mean_in_rank_order(rows.view(dist.get_world_size(), -1), tensor))

@@ -313,8 +313,10 @@ class FSDP(nn.Module):
             params = [p for p in self._replicated if p.dtype == dtype]
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
             all_reduce_mean(flat, "replicated gradients").wait()
+            # Each its own tensor: a view into `flat` may start off a 16-byte boundary, where the fused AdamW
+            # would leave that parameter to torch ops, which round differently from one process's update.
             for param, grad in zip(params, flat.split([p.numel() for p in params])):
-                param.grad = grad.view_as(param)
+                param.grad = grad.view_as(param).clone()
 
     @torch.no_grad()
     def gather_full_params(self) -> dict[str, torch.Tensor]:

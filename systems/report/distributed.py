@@ -1,5 +1,6 @@
 """The tables of the distributed benchmarks: all-reduce, data-parallel steps with the bucket model beside the
-bucket-size sweep, FSDP beside DDP, and the sharded optimizer's memory."""
+bucket-size sweep, FSDP beside DDP, the whole training step the leaderboard times, and the sharded optimizer's
+memory."""
 
 from __future__ import annotations
 
@@ -43,13 +44,17 @@ def _allreduce_figures(r: Result) -> list[str]:
             + [number(r.get(k)) for k in ("algbw_gbps", "busbw_gbps", "bare_busbw_gbps", "loop_vs_bare")])
 
 
+def sorted_by_point(results: list[Result], keys: list[str], variants: tuple[str, ...]) -> list[Result]:
+    """Sorted by `keys`, the variants in their table order (baselines first), others after them by name."""
+    rank = {variant: i for i, variant in enumerate(variants)}
+    return sorted(results, key=lambda r: tuple(
+        order(rank.get(r.get(k), r.get(k)) if k == "variant" else r.get(k)) for k in keys))
+
+
 def _training_steps(run: Run, module: str, test: str, keys: list[str],
                     variants: tuple[str, ...]) -> tuple[list[Result], list[dict]]:
     """A training bench's results, sorted by `keys` with the variants in their table order, and its OOM points."""
-    rank = {variant: i for i, variant in enumerate(variants)}
-    results = sorted(run.select(module, test), key=lambda r: tuple(
-        order(rank.get(r.get(k), r.get(k)) if k == "variant" else r.get(k)) for k in keys))
-    return results, run.oom(module, test)
+    return sorted_by_point(run.select(module, test), keys, variants), run.oom(module, test)
 
 
 def ddp_tables(run: Run) -> list[Table]:
@@ -133,6 +138,48 @@ def fsdp_tables(run: Run) -> list[Table]:
                              number(r.get("peak_gathered_mb"))])
     table.rows += [[number(point.get(k)) for k in keys] + ["OOM"] + [""] * 11 for point in oom]
     return [table]
+
+
+FULLSTEP_KEYS = ["preset", "precision", "context", "world_size", "variant", "attention", "checkpoint_blocks",
+                 "loss_chunk"]
+
+
+def fullstep_tables(run: Run) -> list[Table]:
+    results, oom = _training_steps(run, "bench_fullstep", "test_fullstep", FULLSTEP_KEYS, FSDP_VARIANTS)
+    if not results and not oom:
+        return []
+    table = Table("fullstep", f"Whole training step{batch_sizes(results)} per rank, as the leaderboard times it: "
+                              "step (s), throughput and peak memory (GiB)",
+                  ["preset", "precision", "context", "ranks", "variant", "attention", "checkpoint every",
+                   "loss chunk", "step", "do_bench step", "MFU", "tokens/s", "peak per rank", "predicted peak",
+                   "peak / predicted", "cold start (s)"],
+                  note="Step: mean over ranks of their medians of the timed steps; do_bench step: the leaderboard's "
+                       "figure, triton's do_bench median on the slowest rank (GPU only). MFU and tokens/s come from "
+                       "the do_bench step where there is one; MFU counts model FLOPs, recomputation left out. "
+                       "Predicted peak: the largest rank's (systems.accounting.fsdp_memory for our FSDP). Cold "
+                       "start: from the pytest process's start to the end of the point's timed job.")
+    for r in results:
+        peaks, predicted = r.get("peak_memory_mb_per_rank") or [], r.get("predicted_peak_mb")
+        mfu, tokens = r.get("mfu"), r.get("tokens_per_s")
+        table.rows.append(point_cells(r.fields, FULLSTEP_KEYS) + [number(r.get(k)) for k in ("step_s", "do_bench_s")]
+                          + ["" if mfu is None else f"{mfu:.1%}", "" if tokens is None else f"{tokens:,.0f}",
+                             ", ".join(map(_gib, peaks)), _gib(predicted),
+                             f"{max(peaks) / predicted:.2f}" if peaks and predicted else "",
+                             number(r.get("cold_start_s"))])
+    table.rows += [point_cells(point, FULLSTEP_KEYS) + ["OOM"] + [""] * 7 for point in oom]
+    return [table]
+
+
+LEVERS_OFF = {"checkpoint_blocks": "none", "loss_chunk": "full"}  # a full step's levers, by name where None
+
+
+def point_cells(fields: dict, keys: list[str]) -> list[str]:
+    """A point's fields as cells: a lever the point has but leaves off by name, a field it lacks empty."""
+    return [LEVERS_OFF.get(k, "") if fields.get(k) is None and k in fields else number(fields.get(k)) for k in keys]
+
+
+def _gib(mb: float | None) -> str:
+    return "" if mb is None else f"{mb / 1024:.2f}"
 
 
 def optimizer_tables(run: Run) -> list[Table]:

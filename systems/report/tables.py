@@ -9,17 +9,20 @@ from systems.accounting import checkpoint_levels, model_state, peak_memory
 from systems.bench.schema import ATTENTION_PASSES, MODEL_PHASES, scheme_name
 from systems.model import get_config
 from systems.precision import get_precision
-from systems.report.distributed import allreduce_tables, ddp_tables, fsdp_tables, optimizer_tables
+from systems.report.breakdown import breakdown_tables
+from systems.report.distributed import allreduce_tables, ddp_tables, fsdp_tables, fullstep_tables, optimizer_tables
 from systems.report.markdown import Table, batch_sizes, cell, mib, ms, ms_pm, number, order, pivot, sorted_by
 from systems.report.runs import Result, Run
 
 REGRESSION = 1.10  # a time this much above the baseline's is flagged
-KNOWN_MODULES = {"bench_model", "bench_attention", "bench_allreduce", "bench_ddp", "bench_checkpoint", "bench_fsdp"}
+KNOWN_MODULES = {"bench_model", "bench_attention", "bench_allreduce", "bench_ddp", "bench_checkpoint", "bench_fsdp",
+                 "bench_fullstep"}
 
 
 def build_tables(run: Run) -> list[Table]:
     return (model_tables(run) + warmup_tables(run) + attention_tables(run) + allreduce_tables(run)
-            + ddp_tables(run) + fsdp_tables(run) + optimizer_tables(run) + checkpoint_tables(run) + other_tables(run))
+            + ddp_tables(run) + fsdp_tables(run) + fullstep_tables(run) + breakdown_tables(run) + optimizer_tables(run)
+            + checkpoint_tables(run) + other_tables(run))
 
 
 def model_tables(run: Run) -> list[Table]:
