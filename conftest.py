@@ -103,7 +103,8 @@ _POSITIVE = ("positive", lambda x: x > 0 and math.isfinite(x))
 GRID_NUMBERS = {"contexts": _POSITIVE, "compile_contexts": _POSITIVE, "batch_size": _POSITIVE, "rounds": _POSITIVE,
                 "warmup_steps": ("zero or more", lambda x: x >= 0), "attn_seqs": _POSITIVE, "attn_dims": _POSITIVE,
                 "world_sizes": _POSITIVE, "allreduce_sizes_mb": _POSITIVE, "bucket_sizes_mb": _POSITIVE,
-                "checkpoint_blocks": _POSITIVE, "max_context": _POSITIVE, "loss_chunk": _POSITIVE}
+                "checkpoint_blocks": _POSITIVE, "max_context": _POSITIVE, "loss_chunk": _POSITIVE,
+                "fsdp_prefetch": _POSITIVE}
 # Elsewhere an empty list would leave a grid with no points.
 EMPTY_MEANS_NONE = {"compile_contexts", "checkpoint_blocks"}
 
@@ -161,6 +162,8 @@ def pytest_addoption(parser):
                         "(with --batch-size per rank, --contexts, --precisions, --warmup-steps, --rounds)")
     dist_grid.addoption("--fsdp-preset", default="tiny", help="model preset of benches/bench_fsdp.py (with --batch-size "
                         "per rank, --contexts, --precisions, --world-sizes); the issue's point: xl")
+    dist_grid.addoption("--fsdp-prefetch", type=_csv(int), default=[1],
+                        help="all-gathers our FSDP keeps in flight ahead of the computing layer, e.g. 1,2,5")
     dist_grid.addoption("--bucket-sizes-mb", type=_csv(float), default=[1.0, 10.0],
                         help="DDPBucketed bucket sizes in MiB, e.g. 1,10,100,1000")
 

@@ -90,7 +90,8 @@ def predicted_peak_mb(spec: TrainSpec, world_size: int, device: torch.device) ->
     config, precision = spec.config(), get_precision(spec.precision)
     where = "cuda" if device.type == "cuda" else "cpu"
     if spec.variant == "fsdp":
-        peak = fsdp_memory(config, spec.batch_size, spec.context, precision, world_size, device=where).peak
+        peak = fsdp_memory(config, spec.batch_size, spec.context, precision, world_size, device=where,
+                           prefetch=spec.fsdp_prefetch).peak
     else:
         peak = peak_memory(config, spec.batch_size, spec.context, precision, device=where).train_step
     return peak / 2**20

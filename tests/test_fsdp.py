@@ -15,11 +15,13 @@ the compute dtype), and a tolerance would only hide a wrong cast.
 Models: the project's TransformerLM (sizes not divisible by 3), and a toy built from its own classes named
 Linear and Embedding (not torch's), with an LM head tied to the embedding, a frozen layer, and a bias and a
 LayerNorm that stay replicated. One spawn per process group runs every model, precision and optimizer
-under warnings-as-errors and deterministic algorithms.
+under warnings-as-errors and deterministic algorithms, and some of them again with deeper prefetching (more
+all-gathers in flight), which must change when weights are gathered, never what is computed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -41,6 +43,7 @@ from systems.optim import AdamW
 from systems.parallel import fsdp as fsdp_module
 from systems.parallel.fsdp import FSDP, fsdp_gather_full_params, fsdp_on_after_backward, get_fsdp
 from systems.parallel.ranks import rank_device
+from systems.parallel.train import TrainSpec
 from systems.precision import PRECISIONS
 from systems.step import forward_loss, make_model, optimizer_step, random_batch
 
@@ -49,6 +52,7 @@ MODELS = ["transformer", "toy"]
 COMPUTE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZERS = ["sgd", "torch-adamw", "adamw"]
 LR = {"sgd": 0.2, "torch-adamw": 0.01, "adamw": 0.01}
+PREFETCHES = [1, 2, 5]  # all-gathers in flight ahead: FSDP's default, and deeper ones; 5 spans a block
 TRANSFORMER = get_config("tiny", vocab_size=101, d_model=32, num_heads=4, d_ff=88, context_length=16)
 
 
@@ -166,10 +170,11 @@ def train_one_process(model_name: str, precision: str, optimizer_name: str, devi
     return initial, {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
 
 
-def train_sharded(model_name: str, precision: str, optimizer_name: str, device, world_size: int) -> dict:
+def train_sharded(model_name: str, precision: str, optimizer_name: str, prefetch: int, device,
+                  world_size: int) -> dict:
     rank = dist.get_rank()
     torch.manual_seed(SEED + rank)
-    wrapped = get_fsdp(build(model_name, device), COMPUTE[precision])
+    wrapped = get_fsdp(build(model_name, device), COMPUTE[precision], prefetch=prefetch)
     optimizer = make_optimizer(optimizer_name, wrapped.parameters())
     for step, tokens, targets in batches(model_name, device, world_size):
         loss_of(wrapped(tokens[rows(rank)]), targets[rows(rank)]).backward()
@@ -193,45 +198,48 @@ def train_sharded(model_name: str, precision: str, optimizer_name: str, device, 
             "gathered_sizes": [(u.name, u.chunk * world_size * u.dtype.itemsize) for u in wrapped._order]}
 
 
-def trace_step(world_size: int, device) -> dict:
-    """The order of all-gathers and module calls in a second step's forward and backward (the first has no
-    order to prefetch by)."""
-    rank = dist.get_rank()
-    wrapped = FSDP(build("transformer", device))
-    events = []
+@contextlib.contextmanager
+def recording(wrapped: FSDP, events: list):
+    """Appends ("run", name) as each sharded module runs, and ("gather", name) and ("reduce_scatter", name) as
+    FSDP issues its collectives."""
     for unit in wrapped.units:
         for module in unit.modules:  # registered after FSDP's: runs once the weight is gathered
-            module.register_forward_pre_hook(lambda m, args, name=unit.name: events.append(("run", name)))
-    gather = fsdp_module.all_gather
-    with mock.patch.object(fsdp_module, "all_gather",
-                           side_effect=lambda out, shard, name: events.append(("gather", name)) or gather(out, shard,
-                                                                                                           name)):
-        for step, tokens, targets in batches("transformer", device, world_size):
-            events.clear()
-            logits = wrapped(tokens[rows(rank)])
-            forward = list(events)
-            events.clear()
-            loss_of(logits, targets[rows(rank)]).backward()
-            wrapped.finish_gradient_synchronization()
-            if step == 1:
-                return {"forward": forward, "backward": list(events), "uses": [u.name for u in wrapped._order]}
-
-
-def trace_checkpointed_step(world_size: int, device) -> dict:
-    """All-gathers, module calls and reduce-scatters of one step of the Transformer with every block
-    checkpointed, and which of them backward issued."""
-    rank = dist.get_rank()
-    with torch.device(device):
-        wrapped = FSDP(TransformerLM(dataclasses.replace(TRANSFORMER, checkpoint=(1,))))
-    events = []
-    for unit in wrapped.units:
-        for module in unit.modules:
             module.register_forward_pre_hook(lambda m, args, name=unit.name: events.append(("run", name)))
     gather, reduce_scatter = fsdp_module.all_gather, fsdp_module.reduce_scatter_mean
     with (mock.patch.object(fsdp_module, "all_gather", side_effect=lambda out, shard, name: events.append(
               ("gather", name)) or gather(out, shard, name)),
           mock.patch.object(fsdp_module, "reduce_scatter_mean", side_effect=lambda out, full, name: events.append(
               ("reduce_scatter", name)) or reduce_scatter(out, full, name))):
+        yield
+
+
+def trace_step(world_size: int, device, prefetch: int) -> dict:
+    """The order of collectives and module calls in a second step's forward and backward (the first has no
+    order to prefetch by)."""
+    rank = dist.get_rank()
+    wrapped = FSDP(build("transformer", device), prefetch=prefetch)
+    events = []
+    with recording(wrapped, events):
+        for step, tokens, targets in batches("transformer", device, world_size):
+            events.clear()
+            logits = wrapped(tokens[rows(rank)])
+            forward = list(events)
+            events.clear()
+            loss_of(logits, targets[rows(rank)]).backward()
+            backward = list(events)
+            wrapped.finish_gradient_synchronization()
+            if step == 1:
+                return {"forward": forward, "backward": backward, "uses": [u.name for u in wrapped._order]}
+
+
+def trace_checkpointed_step(world_size: int, device, prefetch: int) -> dict:
+    """All-gathers, module calls and reduce-scatters of one step of the Transformer with every block
+    checkpointed, and which of them backward issued."""
+    rank = dist.get_rank()
+    with torch.device(device):
+        wrapped = FSDP(TransformerLM(dataclasses.replace(TRANSFORMER, checkpoint=(1,))), prefetch=prefetch)
+    events = []
+    with recording(wrapped, events):
         _, tokens, targets = next(batches("transformer", device, world_size))
         logits = wrapped(tokens[rows(rank)])
         events.clear()
@@ -242,30 +250,42 @@ def trace_checkpointed_step(world_size: int, device) -> dict:
             "trainable": [u.name for u in wrapped.units if u.shard.requires_grad]}
 
 
+TRAININGS = [(m, p, o) for m in MODELS for p in COMPUTE for o in OPTIMIZERS]
+# (model, precision, optimizer, prefetch): every training at depth 1, and each model at the deeper ones.
+RUNS = ([(*training, 1) for training in TRAININGS]
+        + [(m, p, "sgd", k) for m in MODELS for p in ("fp32", "bf16") for k in PREFETCHES[1:]])
+
+
 def train_all() -> dict:
     warnings.simplefilter("error")
     torch.use_deterministic_algorithms(True)
     world_size, device = dist.get_world_size(), rank_device()
-    results = {"trace": trace_step(world_size, device), "checkpointed": trace_checkpointed_step(world_size, device)}
-    for model_name in MODELS:
-        for precision in COMPUTE:
-            for optimizer_name in OPTIMIZERS:
-                key = model_name, precision, optimizer_name
-                results[key] = train_sharded(*key, device, world_size)
-                if dist.get_rank() == 0:
-                    results[key]["initial"], results[key]["reference"] = train_one_process(*key, device, world_size)
+    results = {}
+    for prefetch in PREFETCHES:
+        results["trace", prefetch] = trace_step(world_size, device, prefetch)
+        results["checkpointed", prefetch] = trace_checkpointed_step(world_size, device, prefetch)
+    for run in RUNS:
+        results[run] = train_sharded(*run, device, world_size)
+    if dist.get_rank() == 0:  # what one process computes, whatever the prefetching
+        for training in TRAININGS:
+            initial, reference = train_one_process(*training, device, world_size)
+            results[training] = {"initial": initial, "reference": reference}
     return results
 
 
 replicas = results_by_rank("replicas", train_all, gloo_world_sizes=(2, 3), timeout=600)
-RUNS = [(m, p, o) for m in MODELS for p in COMPUTE for o in OPTIMIZERS]
 
 
-@pytest.mark.parametrize("model_name, precision, optimizer_name", RUNS, ids=["-".join(run) for run in RUNS])
-def test_matches_one_process_exactly(replicas, model_name, precision, optimizer_name):
-    expected = replicas[0][model_name, precision, optimizer_name]["reference"]
+def run_id(run: tuple) -> str:
+    *training, prefetch = run
+    return "-".join(training) + f"-prefetch{prefetch}"
+
+
+@pytest.mark.parametrize("run", RUNS, ids=run_id)
+def test_matches_one_process_exactly(replicas, run):
+    expected = replicas[0][run[:3]]["reference"]
     for rank, result in enumerate(replicas):
-        actual = result[model_name, precision, optimizer_name]["params"]
+        actual = result[run]["params"]
         assert list(actual) == list(expected)  # the wrapped module's own names, in its order
         for name, value in expected.items():
             assert actual[name].dtype == value.dtype and torch.equal(actual[name], value), f"rank {rank}, {name}"
@@ -273,7 +293,7 @@ def test_matches_one_process_exactly(replicas, model_name, precision, optimizer_
 
 @pytest.mark.parametrize("model_name", MODELS)
 def test_replicated_gradients_are_identical_on_every_rank(replicas, model_name):
-    grads = [result[model_name, "fp32", "sgd"]["replicated_grads"] for result in replicas]
+    grads = [result[model_name, "fp32", "sgd", 1]["replicated_grads"] for result in replicas]
     assert grads[0]
     for other in grads[1:]:
         assert list(other) == list(grads[0])
@@ -283,7 +303,7 @@ def test_replicated_gradients_are_identical_on_every_rank(replicas, model_name):
 @pytest.mark.parametrize("model_name", MODELS)
 def test_gradients_arrive_in_the_shards_shape_and_fp32(replicas, model_name):
     for result in replicas:
-        assert all(result[model_name, "bf16", "sgd"]["shard_grads"])
+        assert all(result[model_name, "bf16", "sgd", 1]["shard_grads"])
 
 
 def test_training_moves_every_trainable_parameter(replicas):
@@ -301,72 +321,95 @@ def test_each_rank_holds_its_share_of_every_sharded_weight(replicas, model_name)
     model = build(model_name, "cpu")
     sharded = {name: p.numel() for name, p in model.named_parameters()
                if any(m.weight is p for m in model.modules() if is_sharded(m))}
-    numels = [result[model_name, "fp32", "sgd"]["shard_numels"] for result in replicas]
+    numels = [result[model_name, "fp32", "sgd", 1]["shard_numels"] for result in replicas]
     for name, numel in sharded.items():
         shares = [n[name] for n in numels]
         assert sum(shares) == numel and max(shares) == math.ceil(numel / world_size), name
 
 
-@pytest.mark.parametrize("precision", list(COMPUTE))
-@pytest.mark.parametrize("model_name", MODELS)
-def test_at_most_two_gathered_weights_are_alive_at_once(replicas, model_name, precision):
-    """The layer computing and the one prefetched: the gathered weights beyond the shards are never more
-    than two consecutive layers' (in the compute dtype), and none outlives the step."""
+@pytest.mark.parametrize("run", [run for run in RUNS if run[2] == "sgd"], ids=run_id)
+def test_gathered_weights_alive_at_once_are_the_computing_layer_and_those_prefetched(replicas, run):
+    """At most `prefetch + 1` consecutive layers' weights beyond the shards (in the compute dtype, a weight
+    two layers share once), exactly as many as the largest such window holds, and none outlives the step: a
+    prefetch too shallow, past the forward's end, or gathering a gathered weight again changes the peak."""
+    prefetch = run[3]
     for result in replicas:
-        run = result[model_name, precision, "sgd"]
-        sizes = [size for _, size in run["gathered_sizes"]]
-        assert run["gathered_after_step"] == 0
-        assert run["peak_gathered"] <= max(a + b for a, b in zip(sizes, sizes[1:]))
-        assert run["peak_gathered"] >= max(sizes)
+        uses = result[run]["gathered_sizes"]  # (name, bytes) of each use, in forward order
+        windows = [dict(uses[i:i + prefetch + 1]) for i in range(len(uses))]
+        assert result[run]["gathered_after_step"] == 0
+        assert result[run]["peak_gathered"] == max(sum(window.values()) for window in windows)
 
 
-def test_forward_prefetches_the_next_layer_while_this_one_computes(replicas):
-    """Each layer's gather is issued before the layer before it runs, and none earlier."""
+def gathered_ahead(names: list[str], prefetch: int, marks: list[tuple]) -> list[tuple]:
+    """The events of using `names` in turn with `prefetch` gathers in flight ahead: before use i records
+    `marks[i]`, the gathers up to use i + prefetch are issued, each layer's once."""
+    events, issued = [], 0
+    for i, mark in enumerate(marks):
+        ahead = min(len(names), i + 1 + prefetch)
+        events += [("gather", name) for name in names[issued:ahead]]
+        issued = max(issued, ahead)
+        events.append(mark)
+    return events
+
+
+@pytest.mark.parametrize("prefetch", PREFETCHES)
+def test_forward_gathers_each_layer_prefetch_layers_ahead(replicas, prefetch):
+    """Each layer's gather is issued before the layer `prefetch` before it runs, none earlier, none for the
+    next forward."""
     for result in replicas:
-        uses = result["trace"]["uses"]
-        expected = [("gather", uses[0]), ("gather", uses[1])]
-        for i, name in enumerate(uses):
-            expected.append(("run", name))
-            if i + 2 < len(uses):
-                expected.append(("gather", uses[i + 2]))
-        assert result["trace"]["forward"] == expected
+        uses = result["trace", prefetch]["uses"]
+        expected = gathered_ahead(uses, prefetch, [("run", name) for name in uses])
+        assert result["trace", prefetch]["forward"] == expected
 
 
-def test_backward_gathers_each_saved_weight_once_in_reverse_order(replicas):
-    """The embedding saves no weight for backward, so backward gathers every other layer, last first."""
+@pytest.mark.parametrize("prefetch", PREFETCHES)
+def test_backward_gathers_each_saved_weight_once_prefetch_ahead_in_reverse_order(replicas, prefetch):
+    """The embedding saves no weight for backward, so backward gathers every other layer, last first, each
+    before the gradient of the layer `prefetch` after it in the forward is made (its reduce-scatter issued);
+    the embedding's gradient comes last."""
     for result in replicas:
-        uses = result["trace"]["uses"]
-        assert result["trace"]["backward"] == [("gather", name) for name in reversed(uses[1:])]
+        uses = result["trace", prefetch]["uses"]
+        saved = uses[1:][::-1]
+        expected = gathered_ahead(saved, prefetch, [("reduce_scatter", name) for name in saved])
+        assert result["trace", prefetch]["backward"] == expected + [("reduce_scatter", uses[0])]
 
 
-def test_checkpointed_blocks_reduce_scatter_during_backward(replicas):
+@pytest.mark.parametrize("prefetch", PREFETCHES)
+def test_checkpointed_blocks_reduce_scatter_during_backward(replicas, prefetch):
     """A recomputed block runs its layers again, but only the forward's uses receive gradients: every
     weight's reduce-scatter is issued during backward (none waits for finish_gradient_synchronization), and
     the forward order the prefetches follow is the forward's alone."""
     for result in replicas:
-        trace = result["checkpointed"]
-        assert trace["uses"] == result["trace"]["uses"]
+        trace = result["checkpointed", prefetch]
+        assert trace["uses"] == result["trace", prefetch]["uses"]
         issued = [name for kind, name in trace["backward"] if kind == "reduce_scatter"]
         assert sorted(issued) == sorted(trace["trainable"])
 
 
-def test_recomputation_prefetches_the_next_layer_of_its_block_only(replicas):
+@pytest.mark.parametrize("prefetch", PREFETCHES)
+def test_recomputation_prefetches_within_its_block_only(replicas, prefetch):
     """Backward gathers the LM head's saved weight, then recomputes the blocks last first, each gathering its
-    layers in forward order one ahead, and nothing across a block's end (the next was recomputed already)."""
+    layers in forward order `prefetch` ahead, and nothing across a block's end (the next was recomputed
+    already, or is the LM head, which saved its own)."""
     for result in replicas:
-        trace = result["checkpointed"]
+        trace = result["checkpointed", prefetch]
         uses = trace["uses"]
         blocks = {}
         for name in uses[1:-1]:  # between the embedding and the LM head
             blocks.setdefault(name.split(".")[1], []).append(name)
         expected = [("gather", uses[-1])]
         for layers in reversed(blocks.values()):
-            expected += [("gather", layers[0])]
-            for i, name in enumerate(layers):
-                if i + 1 < len(layers):
-                    expected.append(("gather", layers[i + 1]))
-                expected.append(("run", name))
+            expected += gathered_ahead(layers, prefetch, [("run", name) for name in layers])
         assert [event for event in trace["backward"] if event[0] != "reduce_scatter"] == expected
+
+
+@pytest.mark.parametrize("prefetch, error", [(0, ValueError), (-2, ValueError), (2.0, TypeError), ("2", TypeError),
+                                             (True, TypeError)])
+@pytest.mark.parametrize("build", [lambda k: FSDP(nn.Linear(2, 2), prefetch=k),
+                                   lambda k: TrainSpec(variant="fsdp", fsdp_prefetch=k)], ids=["FSDP", "TrainSpec"])
+def test_prefetch_is_a_positive_int_checked_before_anything_runs(build, prefetch, error):
+    with pytest.raises(error, match="prefetch"):
+        build(prefetch)
 
 
 def test_default_policy_picks_classes_named_linear_or_embedding():
@@ -379,7 +422,7 @@ def test_default_policy_picks_classes_named_linear_or_embedding():
 def test_sharded_state_matches_the_accounting(replicas):
     """Rank 0 holds the largest shards: its parameters, gradients and AdamW moments are what fsdp_memory predicts."""
     predicted = fsdp_memory(TRANSFORMER, ROWS_PER_RANK, SEQ, PRECISIONS["fp32"], len(replicas), device="cpu")
-    state = replicas[0]["transformer", "fp32", "adamw"]["state_bytes"]
+    state = replicas[0]["transformer", "fp32", "adamw", 1]["state_bytes"]
     assert state == {"params": predicted.params, "grads": predicted.grads, "optimizer": predicted.optimizer}
 
 
@@ -389,12 +432,16 @@ def test_sharded_state_matches_the_accounting(replicas):
 MEMORY_MODEL = get_config("tiny", d_model=64, d_ff=512, num_layers=3, num_heads=4, vocab_size=2048,
                           context_length=128)
 MEMORY_ROWS, MEMORY_SEQ = 2, 64
-MEMORY_RUNS = {"fp32": ("fp32", (), None), "bf16": ("bf16", (), None), "bf16-chunked": ("bf16", (), 48),
+# (precision, checkpointed blocks per level, loss chunk, prefetch)
+MEMORY_RUNS = {"fp32": ("fp32", (), None, 1), "bf16": ("bf16", (), None, 1), "bf16-chunked": ("bf16", (), 48, 1),
                # Checkpointed: every block, pairs of blocks (a recomputation holds the block below's weights),
                # and nested segments, in both precisions, with the whole loss and chunks of it.
-               "fp32-blocks": ("fp32", (1,), None), "bf16-blocks-chunked": ("bf16", (1,), 48),
-               "fp32-pairs": ("fp32", (2,), None), "bf16-pairs-chunked": ("bf16", (2,), 48),
-               "fp32-nested": ("fp32", (2, 1), None), "bf16-nested-chunked": ("bf16", (3, 1), 48)}
+               "fp32-blocks": ("fp32", (1,), None, 1), "bf16-blocks-chunked": ("bf16", (1,), 48, 1),
+               "fp32-pairs": ("fp32", (2,), None, 1), "bf16-pairs-chunked": ("bf16", (2,), 48, 1),
+               "fp32-nested": ("fp32", (2, 1), None, 1), "bf16-nested-chunked": ("bf16", (3, 1), 48, 1),
+               # A block's weights in flight ahead: the chunked loss's backward peaks with them beside the LM head;
+               # a recomputation's prefetches stay inside its segment, which it holds whole anyway.
+               "bf16-chunked-prefetch5": ("bf16", (), 48, 5), "fp32-pairs-prefetch5": ("fp32", (2,), None, 5)}
 
 
 def measure_peaks() -> dict:
@@ -406,11 +453,12 @@ def measure_peaks() -> dict:
     return {name: measure_run(*run) for name, run in MEMORY_RUNS.items()}
 
 
-def measure_run(precision_name: str, levels: tuple[int, ...], chunk: int | None) -> dict:
+def measure_run(precision_name: str, levels: tuple[int, ...], chunk: int | None, prefetch: int) -> dict:
     config = dataclasses.replace(MEMORY_MODEL, checkpoint=levels, loss_chunk=chunk)
     precision = PRECISIONS[precision_name]
     torch.manual_seed(SEED)
-    wrapped = FSDP(make_model(config, torch.device("cpu"), precision), compute_dtype=precision.compute)
+    wrapped = FSDP(make_model(config, torch.device("cpu"), precision), compute_dtype=precision.compute,
+                   prefetch=prefetch)
     optimizer = AdamW(wrapped.parameters())
     tokens, targets = random_batch(config, MEMORY_ROWS, MEMORY_SEQ, torch.device("cpu"))
 
@@ -432,6 +480,13 @@ def measure_run(precision_name: str, levels: tuple[int, ...], chunk: int | None)
 peaks = results_by_rank("peaks", measure_peaks, gloo_world_sizes=(2, 3), timeout=600)
 
 
+def predicted_memory(run: str, world_size: int):
+    precision_name, levels, chunk, prefetch = MEMORY_RUNS[run]
+    config = dataclasses.replace(MEMORY_MODEL, checkpoint=levels, loss_chunk=chunk)
+    return fsdp_memory(config, MEMORY_ROWS, MEMORY_SEQ, PRECISIONS[precision_name], world_size, device="cpu",
+                       prefetch=prefetch)
+
+
 @pytest.mark.parametrize("run", MEMORY_RUNS)
 def test_step_peak_matches_the_accounting(peaks, run):
     """Rank 0 (the largest shards) against fsdp_memory's forward and whole-step peaks. Within 3%: the terms the
@@ -441,21 +496,18 @@ def test_step_peak_matches_the_accounting(peaks, run):
     into gloo's staging copy of it, which the accounting leaves out."""
     if not peaks[0]:
         pytest.skip("CPU allocations are measured on gloo ranks only")
-    precision_name, levels, chunk = MEMORY_RUNS[run]
-    config = dataclasses.replace(MEMORY_MODEL, checkpoint=levels, loss_chunk=chunk)
-    predicted = fsdp_memory(config, MEMORY_ROWS, MEMORY_SEQ, PRECISIONS[precision_name], len(peaks), device="cpu")
+    predicted = predicted_memory(run, len(peaks))
     assert peaks[0][run]["forward"] == pytest.approx(predicted.at("forward"), rel=0.03)
     assert peaks[0][run]["step"] == pytest.approx(predicted.peak, rel=0.03)
 
 
-@pytest.mark.parametrize("run", [run for run, (_, levels, _) in MEMORY_RUNS.items() if not levels])
+@pytest.mark.parametrize("run", [run for run, (_, levels, _, _) in MEMORY_RUNS.items() if not levels])
 def test_gathered_peak_matches_the_accounting(peaks, run):
     """FSDP's own count of the gathered weights it holds, exact where the peaks' tolerance is not: the most is
-    the LM head's with the top block's w2, as the forward prefetches the head and as the head's backward
-    prefetches w2. Under checkpointing autograd holds recomputed weights that FSDP has let go, so it is left out."""
+    the LM head's with the `prefetch` weights after it in backward (the top block's w2 onwards), as many as the
+    forward holds while the top block's layers prefetch the head. Under checkpointing autograd holds recomputed
+    weights that FSDP has let go, so it is left out."""
     if not peaks[0]:
         pytest.skip("CPU allocations are measured on gloo ranks only")
-    precision_name, levels, chunk = MEMORY_RUNS[run]
-    config = dataclasses.replace(MEMORY_MODEL, checkpoint=levels, loss_chunk=chunk)
-    predicted = fsdp_memory(config, MEMORY_ROWS, MEMORY_SEQ, PRECISIONS[precision_name], len(peaks), device="cpu")
+    predicted = predicted_memory(run, len(peaks))
     assert peaks[0][run]["gathered"] == max(moment.gathered for moment in predicted.moments)

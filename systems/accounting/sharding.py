@@ -7,11 +7,13 @@ state of both. A step adds, at each moment, four things (`Moment`), and its peak
 - gradients: the shards' gradients, each made when its reduce-scatter is waited for, so they accumulate
   through the backward (the replicated parameters' are made whole and are tiny);
 - gathered weights, in the compute dtype and padded to N chunks: in the forward the layer computing and the
-  one prefetched; in the backward the layer whose gradient is being made and the next one, prefetched. A
+  `prefetch` after it; in the backward the layer whose gradient is being made and the `prefetch` after it in
+  the backward's order (the forward's, reversed, without the embedding, which saves no weight). A
   recomputation keeps its layers' weights, as autograd saves them, until each layer's backward has used them:
   while a block's backward runs, every block of its innermost segment recomputed so far is gathered, all but
-  its own w2, whose gradient came first. Nothing is prefetched for a recomputation before it starts: FSDP's
-  backward order holds only the weights it saved itself, so the LM head's backward gathers the head alone;
+  its own w2, whose gradient came first; what it prefetched stays inside its segment, so it is among them by
+  then. Nothing is prefetched for a recomputation before it starts: FSDP's backward order holds only the
+  weights it saved itself, so the LM head's backward gathers the head alone;
 - gradients in flight: a weight's full-size gradient in the compute dtype from its matmul until its
   reduce-scatter is waited for, with two of them waiting at once (fsdp.REDUCE_SCATTERS_IN_FLIGHT), each beside its
   chunk of the result; gloo's reduce-scatter (device "cpu") moves every chunk to its rank first, into one
@@ -25,7 +27,8 @@ The moments are where one of them peaks: the forward's end (the loss, inside the
 backward, the LM head's weight gradient, each block's backward (inside SwiGLU's, where the product's two
 gradients are made, as in transformer.peak_memory), the embedding's gradient (the backward's end, every
 other gradient made) and the optimizer step. Written-out attention's seq² backward is not among them: the
-model is for "sdpa" and "flash" attention.
+model is for "sdpa" and "flash" attention. Nor is the top block's forward, where a deep prefetch holds the
+LM head and the block's weights: it outgrows the forward's end only where they outweigh the loss's logits.
 """
 
 from __future__ import annotations
@@ -123,23 +126,48 @@ class _Rank:
 
 
 def fsdp_memory(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, world_size: int,
-                *, device: str = "cuda") -> ShardedMemory:
+                *, device: str = "cuda", prefetch: int = 1) -> ShardedMemory:
     """Per-rank memory of `systems.parallel.train`'s FSDP step: weights in `precision.weights`, compute in
-    `precision.compute`, with `config.checkpoint` and `config.loss_chunk`. `device` "cpu" means gloo, whose
-    reduce-scatter takes one more full-size buffer, and the unfused AdamW."""
+    `precision.compute`, with `config.checkpoint` and `config.loss_chunk`, gathering `prefetch` weights ahead
+    (FSDP's `prefetch`). `device` "cpu" means gloo, whose reduce-scatter takes one more full-size buffer, and
+    the unfused AdamW."""
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
+    if prefetch < 1:
+        raise ValueError(f"prefetch must be at least 1, got {prefetch}")
     weights = sharded_weights(config)
     replicated = count_parameters(config) - sum(weights)
     rank = _Rank(world_size, precision.compute.itemsize, precision.grad_bytes, gloo=device == "cpu")
     per_rank = sum(rank.chunk(n) for n in weights) + replicated
-    moments = (*_forward_and_loss(config, batch_size, seq, precision, rank, device),
-               *_blocks_backward(config, batch_size, seq, precision, rank, device),
+    ahead = _Prefetch(rank, _backward_order(config), prefetch)
+    moments = (*_forward_and_loss(config, batch_size, seq, precision, rank, ahead, device),
+               *_blocks_backward(config, batch_size, seq, precision, rank, ahead, device),
                _embedding_gradient(config, batch_size, seq, rank, weights, replicated * precision.grad_bytes),
                _optimizer_step(config, precision, rank, weights, replicated, device))
     return ShardedMemory(params=precision.weight_bytes * per_rank, grads=precision.grad_bytes * per_rank,
                          optimizer=precision.optimizer_bytes * per_rank,
                          buffers=model_state(config, precision).buffers, moments=moments)
+
+
+def _backward_order(config: TransformerConfig) -> list[int]:
+    """Element counts of the weights FSDP's backward gathers from its own saved placeholders, in its order: the
+    LM head, then every block's Linears last first. Under checkpointing the blocks save through the
+    recomputation, not FSDP, so the head alone."""
+    head = [config.d_model * config.vocab_size]
+    return head if config.checkpoint else head + config.num_layers * block_weights(config)[::-1]
+
+
+@dataclass(frozen=True)
+class _Prefetch:
+    """The gathered weights the backward has in flight ahead of the one it is using."""
+
+    rank: _Rank
+    order: list[int]  # _backward_order
+    depth: int
+
+    def after(self, used: int) -> int:
+        """Bytes of the `depth` weights after the first `used` of the order, none past its end."""
+        return sum(self.rank.gathered(n) for n in self.order[used:used + self.depth])
 
 
 def _activations(config, batch_size, seq, precision, device):
@@ -154,14 +182,14 @@ def _activations(config, batch_size, seq, precision, device):
     return acts
 
 
-def _forward_and_loss(config, batch_size, seq, precision, rank, device) -> list[Moment]:
+def _forward_and_loss(config, batch_size, seq, precision, rank, ahead, device) -> list[Moment]:
     d, vocab, tokens = config.d_model, config.vocab_size, batch_size * seq
     c = rank.compute
     acts = _activations(config, batch_size, seq, precision, device)
     head_input = acts.head - (3 * acts.logits + 2 * FP32 * tokens)  # the final norm's and the LM head's input
     head = rank.gathered(vocab * d)
-    # The top block's w2, prefetched for its backward, unless checkpointing recomputes the block first.
-    w2 = 0 if config.checkpoint else rank.gathered(d * config.d_ff)
+    # The LM head's backward prefetches the top block's w2 onwards, unless checkpointing recomputes them first.
+    prefetched = ahead.after(1)
     kept = acts.blocks + head_input
     grad_hidden = tokens * d * c
     if config.loss_chunk is None:
@@ -170,7 +198,7 @@ def _forward_and_loss(config, batch_size, seq, precision, rank, device) -> list[
                 # Nothing gathered until the LM head's backward asks for its weight; the loss's gradient of the
                 # fp32 logits and amax's mask beside what it saved.
                 Moment("loss backward", 0, 0, 0, acts.total + acts.logits + acts.logits // FP32),
-                Moment("lm head gradient", 0, head + w2, vocab * d * c, kept + grad_logits + grad_hidden)]
+                Moment("lm head gradient", 0, head + prefetched, vocab * d * c, kept + grad_logits + grad_hidden)]
     chunk = min(config.loss_chunk, tokens)
     logits = FP32 * chunk * vocab  # one chunk's fp32 logits
     low_logits = chunk * vocab * c if c < FP32 else 0  # the matmul's output before its cast to fp32, or after
@@ -185,13 +213,14 @@ def _forward_and_loss(config, batch_size, seq, precision, rank, device) -> list[
     promoted = FP32 * vocab * d if c < FP32 else 0
     backward = kept + FP32 * tokens + grad_hidden + summed + max(logits + low_logits + term + promoted,
                                                                  term if c < FP32 else 0)
-    return [Moment("forward", 0, head, 0, forward), Moment("loss backward", 0, head + w2, 0, backward)]
+    return [Moment("forward", 0, head, 0, forward), Moment("loss backward", 0, head + prefetched, 0, backward)]
 
 
-def _blocks_backward(config, batch_size, seq, precision, rank, device) -> list[Moment]:
+def _blocks_backward(config, batch_size, seq, precision, rank, ahead, device) -> list[Moment]:
     """Block i's backward inside SwiGLU's: w2's gradient in its reduce-scatter beside the one before it (the
     LM head's above the top block, else the block above's qkv), the gradients of blocks above made but
-    that one's, the product's two gradients made from the gradient flowing in."""
+    that one's, the weights after w2 prefetched, the product's two gradients made from the gradient flowing
+    in."""
     d, d_ff, layers, tokens = config.d_model, config.d_ff, config.num_layers, batch_size * seq
     c, levels = rank.compute, config.checkpoint
     acts = _activations(config, batch_size, seq, precision, device)
@@ -209,7 +238,9 @@ def _blocks_backward(config, batch_size, seq, precision, rank, device) -> list[M
         if above:
             done.remove(qkv)
         grads = rank.shard_grads(done) + d * rank.grad + above * norm_grads
-        gathered = _gathered_in_block(rank, block, levels, i)
+        # Unless recomputed: the LM head, the blocks above and this block's w2 used, the weights after them prefetched.
+        gathered = (_recomputed_in_block(rank, block, levels, i) if levels
+                    else ahead.after(1 + above * len(block) + 1))
         held = held_in_backward(levels, i, acts.per_layer, acts.segment_input, shared)
         activations = held + tokens * d * c + 2 * tokens * d_ff * c
         moments.append(Moment(f"block {i} backward", grads, gathered, rank.reducing(before) + rank.reducing(w2),
@@ -217,12 +248,10 @@ def _blocks_backward(config, batch_size, seq, precision, rank, device) -> list[M
     return moments
 
 
-def _gathered_in_block(rank, block, levels, i) -> int:
-    """Inside block i's SwiGLU backward: w3, prefetched; under checkpointing, the blocks of its innermost
-    segment from the first to block i, recomputed, but block i's w2."""
+def _recomputed_in_block(rank, block, levels, i) -> int:
+    """Inside block i's SwiGLU backward under checkpointing: the blocks of its innermost segment from the first
+    to block i, recomputed, but block i's w2."""
     qkv, out, w1, w3, w2 = (rank.gathered(n) for n in block)
-    if not levels:
-        return w3
     return (i - segment_starts(levels, i)[-1]) * (qkv + out + w1 + w3 + w2) + qkv + out + w1 + w3
 
 

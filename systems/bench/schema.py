@@ -50,9 +50,11 @@ class Point:
     @classmethod
     def from_dict(cls, record: dict) -> Point:
         """The point of a record, each field converted to its declared type (JSON and test ids give numbers as
-        text or as ints where the field is a float). A missing field is a KeyError."""
+        text or as ints where the field is a float). A missing field is a KeyError, unless it has a default: a
+        field added after histories were saved, whose default is what those points ran with."""
         hints = typing.get_type_hints(cls)
-        return cls(**{f.name: _typed(hints[f.name], record[f.name.removesuffix("_")]) for f in dataclasses.fields(cls)})
+        return cls(**{f.name: _typed(hints[f.name], record[key]) for f in dataclasses.fields(cls)
+                      if (key := f.name.removesuffix("_")) in record or f.default is dataclasses.MISSING})
 
 
 def _typed(hint, value):
@@ -185,10 +187,12 @@ class FSDPPoint(Point):
     context: int
     batch_size: int  # per rank
     world_size: int
+    prefetch: int = 1  # our FSDP's all-gathers in flight ahead of the computing layer; 1 for the other variants
 
     def __str__(self) -> str:
+        depth = f"-prefetch{self.prefetch}" if self.prefetch != 1 else ""  # depth 1's ids predate the field
         return (f"{self.variant}-{self.preset}-{self.precision.name}-ctx{self.context}-b{self.batch_size}"
-                f"-{self.world_size}ranks")
+                f"-{self.world_size}ranks{depth}")
 
 
 @dataclass(frozen=True)

@@ -1,28 +1,29 @@
 """Fully-sharded data parallelism: every rank keeps 1/N of each Linear and Embedding weight and gathers a
 layer's full weight only while that layer computes.
 
-`FSDP(module, compute_dtype=None, shard_policy=linear_or_embedding)` broadcasts rank 0's parameters and
-buffers, then replaces the weight of every module the policy picks (by default any module whose class is,
-or derives from, a class named `Linear` or `Embedding`: torch's, or another codebase's own) by this rank's
-flat shard: elements [rank * c, (rank + 1) * c) of the flattened weight, c = ceil(numel / N), so the last
-ranks' shards may be shorter or empty. A weight two modules share (tied embedding and LM head) is one shard.
+`FSDP(module, compute_dtype=None, shard_policy=linear_or_embedding, prefetch=1)` broadcasts rank 0's
+parameters and buffers, then replaces the weight of every module the policy picks (by default any module
+whose class is, or derives from, a class named `Linear` or `Embedding`: torch's, or another codebase's own)
+by this rank's flat shard: elements [rank * c, (rank + 1) * c) of the flattened weight, c = ceil(numel / N),
+so the last ranks' shards may be shorter or empty. A weight two modules share (tied embedding and LM head) is one shard.
 Other parameters (norm gains, biases) stay whole on every rank. A step is `loss = f(fsdp(x));
 loss.backward(); fsdp.finish_gradient_synchronization(); optimizer.step()` with the optimizer over
 `fsdp.parameters()`: the shards and the replicated parameters.
 
-Forward: before a sharded module runs its full weight is all-gathered (cast to `compute_dtype` first, so
-the gather moves compute-dtype bytes; the fp32 shards stay the masters), and the all-gather of the module
-that ran after it in the previous forward is issued, so it overlaps this module's compute: a layer's
-gather starts as the layer two before it finishes. Float inputs of a sharded module are cast to
-`compute_dtype` too. After the module, its full weight is dropped: autograd does not keep it, because
-while the wrapped module runs a saved-tensors hook stands a placeholder in for any tensor that lives in a
-gathered weight's storage. Backward: a placeholder gathers the weight again (the one that backward needs
-next is prefetched, in the reverse of the forward's order) and the weight is dropped once every saved view
-of it has been used. A weight's gradient, summed over its uses, is reduce-scattered (averaged) in the
-compute dtype as soon as it is complete, with at most `REDUCE_SCATTERS_IN_FLIGHT` in flight; each rank adds
-its chunk to its shard's `.grad` in the shard's own dtype. `finish_gradient_synchronization()` waits for
-the last reduce-scatters and all-reduces (averages) the replicated parameters' gradients, so they are
-identical on every rank.
+Forward: before a sharded module runs its full weight is all-gathered (cast to `compute_dtype` first, so the
+gather moves compute-dtype bytes; the fp32 shards stay the masters), and the all-gathers of the `prefetch`
+modules that ran after it in the previous forward are issued, so they overlap this module's compute: at depth 1
+a layer's gather starts as the layer two before it finishes, with one layer's compute to hide behind; at depth
+k it has k layers', and k + 1 gathered weights are alive at once. Float inputs of a sharded module are cast to
+`compute_dtype` too. After the module, its full weight is dropped: autograd does not keep it, because while the
+wrapped module runs a saved-tensors hook stands a placeholder in for any tensor that lives in a gathered
+weight's storage. Backward: a placeholder gathers the weight again (the `prefetch` ones that backward needs
+next are in flight, in the reverse of the forward's order; a recomputed segment prefetches as deep in forward
+order, never past its end) and the weight is dropped once every saved view of it has been used. A weight's
+gradient, summed over its uses, is reduce-scattered (averaged) in the compute dtype as soon as it is complete,
+with at most `REDUCE_SCATTERS_IN_FLIGHT` in flight; each rank adds its chunk to its shard's `.grad` in the
+shard's own dtype. `finish_gradient_synchronization()` waits for the last reduce-scatters and all-reduces
+(averages) the replicated parameters' gradients, so they are identical on every rank.
 
 Every rank must run the same sharded modules in the same order (as with torch's FSDP): the gathers are
 collectives. Autocast makes its own low-precision copy of an fp32 weight, which autograd then keeps; give
@@ -46,6 +47,14 @@ from systems.parallel.collectives import WaitClock, all_gather, all_reduce_mean,
 
 SHARDED_CLASS_NAMES = ("Linear", "Embedding")
 REDUCE_SCATTERS_IN_FLIGHT = 2  # a waited reduce-scatter frees its full-size gradient
+
+
+def check_prefetch(prefetch: int) -> None:
+    """Gathers in flight ahead of the computing layer: a whole number, at least the next layer's."""
+    if isinstance(prefetch, bool) or not isinstance(prefetch, int):
+        raise TypeError(f"prefetch must be an int, got {prefetch!r}")
+    if prefetch < 1:
+        raise ValueError(f"prefetch must be at least 1, got {prefetch}")
 
 
 def linear_or_embedding(module: nn.Module) -> bool:
@@ -126,9 +135,10 @@ class GatheredMemory:
 
 class FSDP(nn.Module):
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
-                 shard_policy: Callable[[nn.Module], bool] = linear_or_embedding):
+                 shard_policy: Callable[[nn.Module], bool] = linear_or_embedding, prefetch: int = 1):
+        check_prefetch(prefetch)
         super().__init__()
-        self.module, self.compute_dtype = module, compute_dtype
+        self.module, self.compute_dtype, self.prefetch = module, compute_dtype, prefetch
         self.world_size = dist.get_world_size()
         with torch.no_grad():
             for tensor in itertools.chain(module.parameters(), module.buffers()):
@@ -179,7 +189,7 @@ class FSDP(nn.Module):
         self._cursor = 0
         return output
 
-    # Forward: gather, prefetch the next, compute, drop.
+    # Forward: gather, prefetch the next ones, compute, drop.
 
     def _before(self, module: nn.Module, args: tuple):
         unit = self._unit_of[module]
@@ -188,7 +198,7 @@ class FSDP(nn.Module):
             unit.use = len(self._uses)
             self._uses.append(unit)
             self._calls.append(module)
-            self._prefetch(unit.use + 1)
+            self._prefetch(unit.use + 1, unit.use + 1 + self.prefetch)
         else:
             self._prefetch_recomputation(module)
         self._wait_gathered(unit)
@@ -203,20 +213,24 @@ class FSDP(nn.Module):
                          for a in args)
         return None
 
-    def _prefetch(self, index: int) -> None:
-        if index < len(self._order):
-            self._start_gather(self._order[index])
+    def _prefetch(self, start: int, stop: int) -> None:
+        """Gather uses [start, stop) of the last forward's order; none past its end (the next forward's first
+        layers wait for it: their gathers would hold memory through the backward)."""
+        for unit in self._order[start:stop]:
+            self._start_gather(unit)
 
     def _prefetch_recomputation(self, module: nn.Module) -> None:
-        """A recomputed segment runs its layers in forward order: gather the next one, unless the segment ends
-        here: the next was recomputed already (a later segment), or its forward saved its weight through FSDP
-        (it was not checkpointed, so it is never recomputed)."""
+        """A recomputed segment runs its layers in forward order: gather the next `prefetch`, up to where the
+        segment ends: a layer recomputed already (a later segment), or one whose forward saved its weight
+        through FSDP (it was not checkpointed, so it is never recomputed)."""
         index = self._position.get(module)
         if index is None:
             return
         self._recomputed.add(index)
-        if index + 1 not in self._recomputed and index + 1 not in self._saving:
-            self._prefetch(index + 1)
+        end = index + 1
+        while end <= index + self.prefetch and end not in self._recomputed and end not in self._saving:
+            end += 1
+        self._prefetch(index + 1, end)
 
     def _after(self, module: nn.Module, args: tuple, output) -> None:
         module.weight = None
@@ -262,8 +276,8 @@ class FSDP(nn.Module):
         self._start_gather(unit)
         while self._cursor < len(self._backward) and self._backward[self._cursor] is not unit:
             self._cursor += 1
-        if self._cursor + 1 < len(self._backward):
-            self._start_gather(self._backward[self._cursor + 1])
+        for ahead in self._backward[self._cursor + 1:self._cursor + 1 + self.prefetch]:
+            self._start_gather(ahead)
         self._wait_gathered(unit)
         view = unit.flat.as_strided(*saved.geometry)
         unit.saved -= 1
@@ -332,9 +346,9 @@ class FSDP(nn.Module):
         return full
 
 
-def get_fsdp(module: nn.Module, compute_dtype: torch.dtype | None = None) -> FSDP:
+def get_fsdp(module: nn.Module, compute_dtype: torch.dtype | None = None, prefetch: int = 1) -> FSDP:
     """The course's adapter: `module` wrapped in FSDP."""
-    return FSDP(module, compute_dtype)
+    return FSDP(module, compute_dtype, prefetch=prefetch)
 
 
 def fsdp_on_after_backward(model: FSDP, optimizer: torch.optim.Optimizer) -> None:

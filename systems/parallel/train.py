@@ -32,7 +32,7 @@ from systems.model import ATTENTION_BACKENDS, PRESETS, TransformerConfig, Transf
 from systems.optim import AdamW, ShardedOptimizer
 from systems.parallel import ddp
 from systems.parallel.ddp import check_bucket_size, make_ddp
-from systems.parallel.fsdp import FSDP
+from systems.parallel.fsdp import FSDP, check_prefetch
 from systems.parallel.meters import PeakMemory, PhaseClock
 from systems.parallel.ranks import init_from_env, rank_device
 from systems.precision import PRECISIONS, Precision, get_precision
@@ -63,6 +63,7 @@ class TrainSpec:
     checkpoint: tuple[int, ...] = ()
     loss_chunk: int | None = None
     attention: str = "sdpa"
+    fsdp_prefetch: int = 1  # our FSDP's all-gathers in flight ahead of the computing layer (variant fsdp)
 
     def __post_init__(self):
         for field, value, choices in (("preset", self.preset, PRESETS), ("variant", self.variant, VARIANTS),
@@ -76,6 +77,7 @@ class TrainSpec:
         if self.variant == "torch" and self.bucket_size_mb is None:
             raise ValueError("torch's DistributedDataParallel needs a bucket size")
         check_bucket_size(self.bucket_size_mb)
+        check_prefetch(self.fsdp_prefetch)
         if min(self.batch_size, self.context, self.steps) < 1 or self.warmup < 0:
             raise ValueError("batch_size, context and steps must be positive and warmup non-negative")
         self.config()  # checks the levers
@@ -199,7 +201,7 @@ def wrap(model: nn.Module, spec: TrainSpec, device: torch.device) -> nn.Module:
                         bucket_cap_mb=spec.bucket_size_mb)
     compute = get_precision(spec.precision).compute
     if spec.variant == "fsdp":
-        return FSDP(model, compute_dtype=compute)
+        return FSDP(model, compute_dtype=compute, prefetch=spec.fsdp_prefetch)
     if spec.variant == "fsdp2":
         return TorchFSDP2(model, compute)
     return make_ddp(spec.variant, model, spec.bucket_size_mb if spec.variant == "bucketed" else None)

@@ -116,28 +116,34 @@ def _bucket_model(run: Run, step: Result) -> BucketedAllReduce | None:
 
 
 def fsdp_tables(run: Run) -> list[Table]:
-    keys = ["preset", "precision", "context", "world_size", "variant"]
+    keys = ["preset", "precision", "context", "world_size", "variant", "prefetch"]
     results, oom = _training_steps(run, "bench_fsdp", "test_fsdp_step", keys, FSDP_VARIANTS)
     if not results and not oom:
         return []
     table = Table("fsdp", f"FSDP beside DDP: training step{batch_sizes(results)} per rank (ms; mean over ranks of "
                           "their medians) and peak memory (MiB, the largest rank's)",
-                  ["preset", "precision", "context", "ranks", "variant", "step", "forward", "backward", "comm wait",
-                   "optimizer", "all-gather wait", "vs single", "TFLOP/s per GPU", "peak", "predicted peak",
-                   "peak / predicted", "gathered weights"],
-                  note="fsdp is ours, fsdp2 torch's fully_shard; the all-gather wait is the time the compute stream "
+                  ["preset", "precision", "context", "ranks", "variant", "prefetch", "step", "forward", "backward",
+                   "comm wait", "optimizer", "all-gather wait", "vs single", "TFLOP/s per GPU", "peak",
+                   "predicted peak", "peak / predicted", "gathered weights"],
+                  note="fsdp is ours, fsdp2 torch's fully_shard; prefetch is how many all-gathers ours keeps in "
+                       "flight ahead of the computing layer; the all-gather wait is the time the compute stream "
                        "waited for all-gathers that prefetching did not hide. Predicted peaks: "
                        "systems.accounting.fsdp_memory for ours, peak_memory for one process and DDP.")
     for r in results:
         peak = max((r.get(k) for k in r.fields if k.startswith("memory_") and k.endswith("_mb")), default=None)
         predicted = r.get("predicted_peak_mb")
-        table.rows.append([number(r.get(k)) for k in keys] + [ms(r.get(seconds_key(t))) for t in FSDP_TIMINGS]
+        table.rows.append(_fsdp_point_cells(r.fields, keys) + [ms(r.get(seconds_key(t))) for t in FSDP_TIMINGS]
                           + [number(r.get(k)) for k in ("vs_single", "tflops")]
                           + [number(peak), number(predicted),
                              "" if peak is None or not predicted else f"{peak / predicted:.2f}",
                              number(r.get("peak_gathered_mb"))])
-    table.rows += [[number(point.get(k)) for k in keys] + ["OOM"] + [""] * 11 for point in oom]
+    table.rows += [_fsdp_point_cells(point, keys) + ["OOM"] + [""] * 11 for point in oom]
     return [table]
+
+
+def _fsdp_point_cells(fields: dict, keys: list[str]) -> list[str]:
+    """A point's cells, its prefetch depth shown for our FSDP alone: the other variants have none."""
+    return [number(fields.get(k)) if k != "prefetch" or fields.get("variant") == "fsdp" else "" for k in keys]
 
 
 FULLSTEP_KEYS = ["preset", "precision", "context", "world_size", "variant", "attention", "checkpoint_blocks",
