@@ -36,10 +36,9 @@ import pathlib
 import torch
 import torch.distributed as dist
 from bench_ddp import (BACKEND, mean_of_medians, predicted_peak_mb, record_breakdown, record_memory, spec_for,
-                       train_in_ranks)
+                       step_breakdown, train_in_ranks)
 
 from systems.accounting import flops, recomputed_flops
-from systems.bench.breakdown import profile_step
 from systems.bench.schema import FSDP_TIMINGS, POINT, FullStepPoint, seconds_key
 from systems.bench.timing import record_throughput
 from systems.parallel.train import TrainSpec
@@ -75,7 +74,7 @@ def leaderboard_timing(model, step) -> dict:
     ms = _agreed_step_ms(step)
     seconds = do_bench(step, warmup=(DO_BENCH_WARMUP + 0.5) * ms, rep=(DO_BENCH_REPEATS + 0.5) * ms,
                        return_mode="median") / 1e3
-    return {"do_bench_s": seconds, "breakdown": profile_step(step).to_dict()}
+    return {"do_bench_s": seconds} | step_breakdown(model, step)
 
 
 def _agreed_step_ms(step) -> float:

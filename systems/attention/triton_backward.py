@@ -63,6 +63,15 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_qd, strid
     return dk, dv
 
 
+@triton.jit
+def _at_head(Q, K, V, DO, LSE, DELTA, b, h, n_heads, n_queries, stride_qb, stride_qh, stride_kb, stride_kh,
+             stride_vb, stride_vh, stride_dob, stride_doh):
+    """The operands both backward kernels read, moved to batch b, head h (LSE and DELTA: (batch, heads, queries))."""
+    rows = (b * n_heads + h) * n_queries
+    return (Q + b * stride_qb + h * stride_qh, K + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh,
+            DO + b * stride_dob + h * stride_doh, LSE + rows, DELTA + rows)
+
+
 @triton.jit(do_not_specialize=GRID_ARGS)
 def bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
                     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -80,14 +89,10 @@ def bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
     # Causal: early key tiles are seen by the most queries, and program 0 launches first.
     tile, _, h, b = tile_head_batch(INTERLEAVE)
     start_n = tile * BLOCK_N
-    Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
-    DO += b * stride_dob + h * stride_doh
+    Q, K, V, DO, LSE, DELTA = _at_head(Q, K, V, DO, LSE, DELTA, b, h, n_heads, n_queries, stride_qb, stride_qh,
+                                       stride_kb, stride_kh, stride_vb, stride_vh, stride_dob, stride_doh)
     DK += b * stride_dkb + h * stride_dkh
     DV += b * stride_dvb + h * stride_dvh
-    LSE += (b * n_heads + h) * n_queries
-    DELTA += (b * n_heads + h) * n_queries
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, D_PAD)
@@ -159,13 +164,9 @@ def bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
     qk_scale = SM_SCALE * LOG2E
     tile, n_tiles, h, b = tile_head_batch(INTERLEAVE)
     start_m = (n_tiles - 1 - tile) * BLOCK_M  # longest causal tiles first
-    Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
-    DO += b * stride_dob + h * stride_doh
+    Q, K, V, DO, LSE, DELTA = _at_head(Q, K, V, DO, LSE, DELTA, b, h, n_heads, n_queries, stride_qb, stride_qh,
+                                       stride_kb, stride_kh, stride_vb, stride_vh, stride_dob, stride_doh)
     DQ += b * stride_dqb + h * stride_dqh
-    LSE += (b * n_heads + h) * n_queries
-    DELTA += (b * n_heads + h) * n_queries
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
