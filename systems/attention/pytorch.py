@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from systems.attention.reference import check_inputs
+from systems.attention.reference import check_inputs, save_for_recompute, saved_for_recompute
 
 Q_TILE = 64
 K_TILE = 64
@@ -71,14 +71,11 @@ class FlashAttentionPytorch(torch.autograd.Function):
         # The math is fp32 by design: autocast must not push the tiles back to half precision.
         with torch.autocast(q.device.type, enabled=False):
             o, lse = flash_forward(q, k, v, is_causal)
-        o = o.to(q.dtype)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.is_causal = is_causal
-        return o
+        return save_for_recompute(ctx, q, k, v, o.to(q.dtype), lse, is_causal)
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, is_causal = saved_for_recompute(ctx)
         with torch.autocast(q.device.type, enabled=False):
-            dq, dk, dv = flash_backward(q, k, v, o, do, lse, ctx.is_causal)
+            dq, dk, dv = flash_backward(q, k, v, o, do, lse, is_causal)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None

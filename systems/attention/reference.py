@@ -1,5 +1,5 @@
-"""Attention written out, once: the model, the benchmarks and the tests' reference all use it; and the input
-contract every implementation enforces."""
+"""Attention written out, once: the model, the benchmarks and the tests' reference all use it; the input contract
+every implementation enforces; and what the FlashAttention-2 autograd Functions keep for their backward."""
 
 from __future__ import annotations
 
@@ -68,3 +68,17 @@ def check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
         raise ValueError(f"empty input: q {tuple(q.shape)}, k {tuple(k.shape)}")
     if max_head_dim is not None and q.shape[-1] > max_head_dim:
         raise ValueError(f"head dim {q.shape[-1]} exceeds the supported maximum {max_head_dim}")
+
+
+def save_for_recompute(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                       is_causal: bool) -> torch.Tensor:
+    """Keep on an autograd ctx what a FlashAttention-2 backward recomputes the scores from: the inputs, the output
+    O and its log-sum-exp L, never the (n_queries, n_keys) probabilities naive_attention keeps. Returns o."""
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.is_causal = is_causal
+    return o
+
+
+def saved_for_recompute(ctx) -> tuple:
+    """q, k, v, o, lse and is_causal, as save_for_recompute kept them."""
+    return (*ctx.saved_tensors, ctx.is_causal)

@@ -10,40 +10,40 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from systems.attention.triton_tiles import GRID_ARGS, LOG2E, key_ranges, load_tile, store_tile, tile_head_batch
+from systems.attention.triton_tiles import (GRID_ARGS, LOG2E, at_head, key_ranges, load_tile, store_tile,
+                                            tile_head_batch, tile_ptrs)
 
 
 @triton.jit
-def bwd_preprocess_kernel(O, DO, DELTA,
-                          stride_ob, stride_oh, stride_om, stride_od,
-                          stride_dob, stride_doh, stride_dom, stride_dod,
-                          n_heads, n_queries,
+def bwd_preprocess_kernel(O, DO, DELTA, o_strides, do_strides, n_heads, n_queries,
                           HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
     """DELTA = rowsum(O ∘ dO), which equals rowsum(P ∘ dP) of the softmax gradient."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
-    offs_d = tl.arange(0, D_PAD)
-    o = load_tile(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od,
-                  offs_m, n_queries, offs_d, HEAD_DIM, D_PAD, True)
-    do = load_tile(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                   offs_m, n_queries, offs_d, HEAD_DIM, D_PAD, True)
+    o = load_tile(at_head(O, o_strides, b, h), o_strides, offs_m, n_queries, HEAD_DIM, D_PAD, True)
+    do = load_tile(at_head(DO, do_strides, b, h), do_strides, offs_m, n_queries, HEAD_DIM, D_PAD, True)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(DELTA + (b * n_heads + h) * n_queries + offs_m, delta, mask=offs_m < n_queries)
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_qd, stride_dom, stride_dod, offs_n,
-                    n_queries, qk_scale, lo, hi, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                    CAUSAL: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                    MASKED: tl.constexpr):
-    # Query rows past n_queries load as zeros (q, dO, L and D alike) and so add exactly zero to dK and dV.
-    offs_d = tl.arange(0, D_PAD)
+def _tile_pair(X, x_strides, Y, y_strides, rows, n_rows, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+               CHECK_ROWS: tl.constexpr):
+    """Two tensors' tiles at the same rows, as the backward kernels take them: a key tile's k and v, a query
+    tile's q and dO."""
+    x = load_tile(X, x_strides, rows, n_rows, HEAD_DIM, D_PAD, CHECK_ROWS)
+    y = load_tile(Y, y_strides, rows, n_rows, HEAD_DIM, D_PAD, CHECK_ROWS)
+    return x, y
+
+
+@triton.jit
+def _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_strides, do_strides, offs_n, n_queries, qk_scale, lo, hi,
+                    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+                    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, MASKED: tl.constexpr):
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        q = load_tile(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                      offs_m, n_queries, offs_d, HEAD_DIM, D_PAD, MASKED)
-        do = load_tile(DO + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                       offs_m, n_queries, offs_d, HEAD_DIM, D_PAD, MASKED)
+        # Query rows past n_queries load as zeros (q, dO, L and D alike) and so add exactly zero to dK and dV.
+        q, do = _tile_pair(Q, q_strides, DO, do_strides, offs_m, n_queries, HEAD_DIM, D_PAD, MASKED)
         if MASKED:
             lse = tl.load(LSE + offs_m, mask=offs_m < n_queries, other=0.0)
             delta = tl.load(DELTA + offs_m, mask=offs_m < n_queries, other=0.0)
@@ -64,23 +64,17 @@ def _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_qd, strid
 
 
 @triton.jit
-def _at_head(Q, K, V, DO, LSE, DELTA, b, h, n_heads, n_queries, stride_qb, stride_qh, stride_kb, stride_kh,
-             stride_vb, stride_vh, stride_dob, stride_doh):
+def _operands_at_head(Q, K, V, DO, LSE, DELTA, q_strides, k_strides, v_strides, do_strides, b, h, n_heads,
+                      n_queries):
     """The operands both backward kernels read, moved to batch b, head h (LSE and DELTA: (batch, heads, queries))."""
     rows = (b * n_heads + h) * n_queries
-    return (Q + b * stride_qb + h * stride_qh, K + b * stride_kb + h * stride_kh, V + b * stride_vb + h * stride_vh,
-            DO + b * stride_dob + h * stride_doh, LSE + rows, DELTA + rows)
+    return (at_head(Q, q_strides, b, h), at_head(K, k_strides, b, h), at_head(V, v_strides, b, h),
+            at_head(DO, do_strides, b, h), LSE + rows, DELTA + rows)
 
 
 @triton.jit(do_not_specialize=GRID_ARGS)
-def bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
-                    stride_qb, stride_qh, stride_qm, stride_qd,
-                    stride_kb, stride_kh, stride_kn, stride_kd,
-                    stride_vb, stride_vh, stride_vn, stride_vd,
-                    stride_dob, stride_doh, stride_dom, stride_dod,
-                    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-                    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-                    n_batch, n_heads, n_queries, n_keys,
+def bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA, q_strides, k_strides, v_strides, do_strides, dk_strides,
+                    dv_strides, n_batch, n_heads, n_queries, n_keys,
                     SM_SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                     INPUT_PRECISION: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr):
@@ -89,51 +83,38 @@ def bwd_dkdv_kernel(Q, K, V, DO, DK, DV, LSE, DELTA,
     # Causal: early key tiles are seen by the most queries, and program 0 launches first.
     tile, _, h, b = tile_head_batch(INTERLEAVE)
     start_n = tile * BLOCK_N
-    Q, K, V, DO, LSE, DELTA = _at_head(Q, K, V, DO, LSE, DELTA, b, h, n_heads, n_queries, stride_qb, stride_qh,
-                                       stride_kb, stride_kh, stride_vb, stride_vh, stride_dob, stride_doh)
-    DK += b * stride_dkb + h * stride_dkh
-    DV += b * stride_dvb + h * stride_dvh
+    Q, K, V, DO, LSE, DELTA = _operands_at_head(Q, K, V, DO, LSE, DELTA, q_strides, k_strides, v_strides,
+                                                do_strides, b, h, n_heads, n_queries)
+    DK, DV = at_head(DK, dk_strides, b, h), at_head(DV, dv_strides, b, h)
 
     offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, D_PAD)
-    k = load_tile(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                  offs_n, n_keys, offs_d, HEAD_DIM, D_PAD, True)
-    v = load_tile(V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                  offs_n, n_keys, offs_d, HEAD_DIM, D_PAD, True)
+    k, v = _tile_pair(K, k_strides, V, v_strides, offs_n, n_keys, HEAD_DIM, D_PAD, True)
     dk = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     dv = tl.zeros([BLOCK_N, D_PAD], tl.float32)
     full = n_queries // BLOCK_M * BLOCK_M
     if CAUSAL:
         # Queries before start_n see none of these keys; those in the tile's own span need the mask.
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
-                                 offs_n, n_queries, qk_scale, start_n, tl.minimum(start_n + BLOCK_N, n_queries),
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_strides, do_strides, offs_n, n_queries, qk_scale,
+                                 start_n, tl.minimum(start_n + BLOCK_N, n_queries),
                                  HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION, BLOCK_M, True)
         lo = start_n + BLOCK_N
     else:
         lo = 0
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
-                             offs_n, n_queries, qk_scale, lo, full,
-                             HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION, BLOCK_M, False)
-    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, stride_qm, stride_qd, stride_dom, stride_dod,
-                             offs_n, n_queries, qk_scale, tl.maximum(lo, full), n_queries,
-                             HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION, BLOCK_M, True)
-    store_tile(DK + offs_n[:, None] * stride_dkn + offs_d[None, :] * stride_dkd, dk * SM_SCALE,
-               offs_n, n_keys, offs_d, HEAD_DIM, D_PAD)
-    store_tile(DV + offs_n[:, None] * stride_dvn + offs_d[None, :] * stride_dvd, dv,
-               offs_n, n_keys, offs_d, HEAD_DIM, D_PAD)
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_strides, do_strides, offs_n, n_queries, qk_scale,
+                             lo, full, HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION, BLOCK_M, False)
+    dk, dv = _bwd_dkdv_inner(dk, dv, k, v, Q, DO, LSE, DELTA, q_strides, do_strides, offs_n, n_queries, qk_scale,
+                             tl.maximum(lo, full), n_queries, HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION, BLOCK_M, True)
+    store_tile(tile_ptrs(DK, dk_strides, offs_n, D_PAD), dk * SM_SCALE, offs_n, n_keys, HEAD_DIM, D_PAD)
+    store_tile(tile_ptrs(DV, dv_strides, offs_n, D_PAD), dv, offs_n, n_keys, HEAD_DIM, D_PAD)
 
 
 @triton.jit
-def _bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, n_keys,
-                  qk_scale, lo, hi, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+def _bwd_dq_inner(dq, q, do, lse, delta, K, V, k_strides, v_strides, offs_m, n_keys, qk_scale, lo, hi,
+                  HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                   INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    offs_d = tl.arange(0, D_PAD)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = load_tile(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                      offs_n, n_keys, offs_d, HEAD_DIM, D_PAD, MASKED)
-        v = load_tile(V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                      offs_n, n_keys, offs_d, HEAD_DIM, D_PAD, MASKED)
+        k, v = _tile_pair(K, k_strides, V, v_strides, offs_n, n_keys, HEAD_DIM, D_PAD, MASKED)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         p = tl.math.exp2(qk * qk_scale - lse[:, None])
         if MASKED:
@@ -151,12 +132,7 @@ def _bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, 
 
 
 @triton.jit(do_not_specialize=GRID_ARGS)
-def bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
-                  stride_qb, stride_qh, stride_qm, stride_qd,
-                  stride_kb, stride_kh, stride_kn, stride_kd,
-                  stride_vb, stride_vh, stride_vn, stride_vd,
-                  stride_dob, stride_doh, stride_dom, stride_dod,
-                  stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+def bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA, q_strides, k_strides, v_strides, do_strides, dq_strides,
                   n_batch, n_heads, n_queries, n_keys,
                   SM_SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                   INPUT_PRECISION: tl.constexpr, INTERLEAVE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -164,23 +140,18 @@ def bwd_dq_kernel(Q, K, V, DO, DQ, LSE, DELTA,
     qk_scale = SM_SCALE * LOG2E
     tile, n_tiles, h, b = tile_head_batch(INTERLEAVE)
     start_m = (n_tiles - 1 - tile) * BLOCK_M  # longest causal tiles first
-    Q, K, V, DO, LSE, DELTA = _at_head(Q, K, V, DO, LSE, DELTA, b, h, n_heads, n_queries, stride_qb, stride_qh,
-                                       stride_kb, stride_kh, stride_vb, stride_vh, stride_dob, stride_doh)
-    DQ += b * stride_dqb + h * stride_dqh
+    Q, K, V, DO, LSE, DELTA = _operands_at_head(Q, K, V, DO, LSE, DELTA, q_strides, k_strides, v_strides,
+                                                do_strides, b, h, n_heads, n_queries)
+    DQ = at_head(DQ, dq_strides, b, h)
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, D_PAD)
-    q = load_tile(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                  offs_m, n_queries, offs_d, HEAD_DIM, D_PAD, True)
-    do = load_tile(DO + offs_m[:, None] * stride_dom + offs_d[None, :] * stride_dod,
-                   offs_m, n_queries, offs_d, HEAD_DIM, D_PAD, True)
+    q, do = _tile_pair(Q, q_strides, DO, do_strides, offs_m, n_queries, HEAD_DIM, D_PAD, True)
     lse = tl.load(LSE + offs_m, mask=offs_m < n_queries, other=0.0) * LOG2E
     delta = tl.load(DELTA + offs_m, mask=offs_m < n_queries, other=0.0)
     dq = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     unmasked_end, masked_end = key_ranges(start_m, n_keys, BLOCK_M, BLOCK_N, CAUSAL)
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, n_keys,
-                       qk_scale, 0, unmasked_end, HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION, BLOCK_N, False)
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, n_keys,
-                       qk_scale, unmasked_end, masked_end, HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION, BLOCK_N, True)
-    store_tile(DQ + offs_m[:, None] * stride_dqm + offs_d[None, :] * stride_dqd, dq * SM_SCALE,
-               offs_m, n_queries, offs_d, HEAD_DIM, D_PAD)
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, k_strides, v_strides, offs_m, n_keys, qk_scale, 0, unmasked_end,
+                       HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION, BLOCK_N, False)
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, K, V, k_strides, v_strides, offs_m, n_keys, qk_scale, unmasked_end,
+                       masked_end, HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION, BLOCK_N, True)
+    store_tile(tile_ptrs(DQ, dq_strides, offs_m, D_PAD), dq * SM_SCALE, offs_m, n_queries, HEAD_DIM, D_PAD)

@@ -11,18 +11,17 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from systems.attention.triton_tiles import GRID_ARGS, LN2, LOG2E, key_ranges, load_tile, store_tile, tile_head_batch
+from systems.attention.triton_tiles import (GRID_ARGS, LN2, LOG2E, at_head, key_ranges, load_tile, store_tile,
+                                            tile_head_batch, tile_ptrs)
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, n_keys, qk_scale,
-               lo, hi, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
+def _fwd_inner(acc, l_i, m_i, q, K, V, k_strides, v_strides, offs_m, n_keys, qk_scale, lo, hi,
+               HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr):
-    offs_d = tl.arange(0, D_PAD)
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = load_tile(K + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                      offs_n, n_keys, offs_d, HEAD_DIM, D_PAD, MASKED)
+        k = load_tile(K, k_strides, offs_n, n_keys, HEAD_DIM, D_PAD, MASKED)
         qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # (BLOCK_M, BLOCK_N)
         if MASKED:
             visible = offs_n[None, :] < n_keys
@@ -33,19 +32,14 @@ def _fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_v
         p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)  # rescales what was accumulated under the old max
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = load_tile(V + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd,
-                      offs_n, n_keys, offs_d, HEAD_DIM, D_PAD, MASKED)
+        v = load_tile(V, v_strides, offs_n, n_keys, HEAD_DIM, D_PAD, MASKED)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=GRID_ARGS)
-def fwd_kernel(Q, K, V, O, LSE, O_PART, LSE_PART,
-               stride_qb, stride_qh, stride_qm, stride_qd,
-               stride_kb, stride_kh, stride_kn, stride_kd,
-               stride_vb, stride_vh, stride_vn, stride_vd,
-               stride_ob, stride_oh, stride_om, stride_od,
+def fwd_kernel(Q, K, V, O, LSE, O_PART, LSE_PART, q_strides, k_strides, v_strides, o_strides,
                n_batch, n_heads, n_queries, n_keys,
                SM_SCALE: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CAUSAL: tl.constexpr,
                INPUT_PRECISION: tl.constexpr, N_SPLITS: tl.constexpr, INTERLEAVE: tl.constexpr,
@@ -56,16 +50,13 @@ def fwd_kernel(Q, K, V, O, LSE, O_PART, LSE_PART,
     tile, n_tiles, h, b = tile_head_batch(INTERLEAVE)
     pid = n_tiles - 1 - tile
     start_m, split = pid // N_SPLITS * BLOCK_M, pid % N_SPLITS
-    Q += b * stride_qb + h * stride_qh
-    K += b * stride_kb + h * stride_kh
-    V += b * stride_vb + h * stride_vh
-    O += b * stride_ob + h * stride_oh
+    Q, K, V = at_head(Q, q_strides, b, h), at_head(K, k_strides, b, h), at_head(V, v_strides, b, h)
+    O = at_head(O, o_strides, b, h)
     LSE += (b * n_heads + h) * n_queries
 
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D_PAD)
-    q = load_tile(Q + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-                  offs_m, n_queries, offs_d, HEAD_DIM, D_PAD, True)
+    q = load_tile(Q, q_strides, offs_m, n_queries, HEAD_DIM, D_PAD, True)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)  # running row max, base 2
     l_i = tl.zeros([BLOCK_M], tl.float32)  # running row sum of exp2(s - m_i)
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
@@ -74,15 +65,14 @@ def fwd_kernel(Q, K, V, O, LSE, O_PART, LSE_PART,
     split_keys = tl.cdiv(tl.cdiv(n_keys, N_SPLITS), BLOCK_M) * BLOCK_M
     lo = split * split_keys
     hi = tl.minimum(lo + split_keys, masked_end)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, n_keys,
-                               qk_scale, lo, tl.minimum(unmasked_end, hi), HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION,
-                               BLOCK_N, False)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, stride_kn, stride_kd, stride_vn, stride_vd, offs_m, n_keys,
-                               qk_scale, tl.maximum(unmasked_end, lo), hi, HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION,
-                               BLOCK_N, True)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_strides, v_strides, offs_m, n_keys, qk_scale,
+                               lo, tl.minimum(unmasked_end, hi), HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION, BLOCK_N,
+                               False)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K, V, k_strides, v_strides, offs_m, n_keys, qk_scale,
+                               tl.maximum(unmasked_end, lo), hi, HEAD_DIM, D_PAD, CAUSAL, INPUT_PRECISION, BLOCK_N,
+                               True)
     if N_SPLITS == 1:
-        store_tile(O + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, acc / l_i[:, None],
-                   offs_m, n_queries, offs_d, HEAD_DIM, D_PAD)
+        store_tile(tile_ptrs(O, o_strides, offs_m, D_PAD), acc / l_i[:, None], offs_m, n_queries, HEAD_DIM, D_PAD)
         tl.store(LSE + offs_m, (m_i + tl.math.log2(l_i)) * LN2, mask=offs_m < n_queries)
     else:
         # Partials in fp32, (splits, batch, heads, n_queries, D_PAD) and (splits, batch, heads, n_queries); a
@@ -95,10 +85,8 @@ def fwd_kernel(Q, K, V, O, LSE, O_PART, LSE_PART,
 
 
 @triton.jit
-def fwd_merge_kernel(O_PART, LSE_PART, O, LSE,
-                     stride_ob, stride_oh, stride_om, stride_od,
-                     n_batch, n_heads, n_queries, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, N_SPLITS: tl.constexpr,
-                     BLOCK_M: tl.constexpr):
+def fwd_merge_kernel(O_PART, LSE_PART, O, LSE, o_strides, n_batch, n_heads, n_queries,
+                     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, N_SPLITS: tl.constexpr, BLOCK_M: tl.constexpr):
     """O and L of a query tile from its splits' partials: each weighs exp(its L - the tile's L)."""
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     h, b = tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64)
@@ -117,7 +105,6 @@ def fwd_merge_kernel(O_PART, LSE_PART, O, LSE,
         o = tl.load(O_PART + part[:, None] * D_PAD + offs_d[None, :], mask=in_range[:, None], other=0.0)
         acc += weight[:, None] * o
         total += weight
-    O += b * stride_ob + h * stride_oh
-    store_tile(O + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od, acc / total[:, None],
-               offs_m, n_queries, offs_d, HEAD_DIM, D_PAD)
+    O = at_head(O, o_strides, b, h)
+    store_tile(tile_ptrs(O, o_strides, offs_m, D_PAD), acc / total[:, None], offs_m, n_queries, HEAD_DIM, D_PAD)
     tl.store(LSE + (b * n_heads + h) * n_queries + offs_m, (lse_max + tl.math.log2(total)) * LN2, mask=in_range)

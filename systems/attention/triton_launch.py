@@ -17,7 +17,7 @@ import triton
 from triton.compiler.errors import CompileTimeAssertionFailure
 from triton.runtime.errors import PTXASError
 
-from systems.attention.reference import check_inputs
+from systems.attention.reference import check_inputs, save_for_recompute, saved_for_recompute
 from systems.attention.triton_backward import bwd_dkdv_kernel, bwd_dq_kernel, bwd_preprocess_kernel
 from systems.attention.triton_forward import fwd_kernel, fwd_merge_kernel
 
@@ -184,11 +184,11 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool)
         o_part = torch.empty((splits, batch, heads, n_queries, shape["D_PAD"]), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((splits, batch, heads, n_queries), dtype=torch.float32, device=q.device)
     grid = _grid(shape, lambda meta: triton.cdiv(n_queries, meta["BLOCK_M"]) * splits)
-    _launch("fwd", grid, q, k, v, o, lse, o_part, lse_part, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+    _launch("fwd", grid, q, k, v, o, lse, o_part, lse_part, q.stride(), k.stride(), v.stride(), o.stride(),
             dtype=q.dtype, CAUSAL=is_causal, N_SPLITS=splits, **shape)
     if splits > 1:
         fwd_merge_kernel[(triton.cdiv(n_queries, PREPROCESS_BLOCK), heads, batch)](
-            o_part, lse_part, o, lse, *o.stride(), batch, heads, n_queries,
+            o_part, lse_part, o, lse, o.stride(), batch, heads, n_queries,
             HEAD_DIM=shape["HEAD_DIM"], D_PAD=shape["D_PAD"], N_SPLITS=splits, BLOCK_M=PREPROCESS_BLOCK)
     return o, lse
 
@@ -201,17 +201,17 @@ def _backward(q, k, v, o, do, lse, is_causal: bool) -> tuple[torch.Tensor, torch
     shape = _shape_args(q, k, "backward")
     delta = torch.empty_like(lse)
     bwd_preprocess_kernel[(triton.cdiv(n_queries, PREPROCESS_BLOCK), heads, batch)](
-        o, do, delta, *o.stride(), *do.stride(), heads, n_queries,
+        o, do, delta, o.stride(), do.stride(), heads, n_queries,
         HEAD_DIM=d, D_PAD=shape["D_PAD"], BLOCK_M=PREPROCESS_BLOCK)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     grid = _grid(shape, lambda meta: triton.cdiv(n_keys, meta["BLOCK_N"]))
-    _launch("dkdv", grid, q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-            *dk.stride(), *dv.stride(), dtype=q.dtype, CAUSAL=is_causal, **shape)
+    _launch("dkdv", grid, q, k, v, do, dk, dv, lse, delta, q.stride(), k.stride(), v.stride(), do.stride(),
+            dk.stride(), dv.stride(), dtype=q.dtype, CAUSAL=is_causal, **shape)
     grid = _grid(shape, lambda meta: triton.cdiv(n_queries, meta["BLOCK_M"]))
-    _launch("dq", grid, q, k, v, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-            *dq.stride(), dtype=q.dtype, CAUSAL=is_causal, **shape)
+    _launch("dq", grid, q, k, v, do, dq, lse, delta, q.stride(), k.stride(), v.stride(), do.stride(),
+            dq.stride(), dtype=q.dtype, CAUSAL=is_causal, **shape)
     return dq, dk, dv
 
 
@@ -272,13 +272,11 @@ class FlashAttentionTriton(torch.autograd.Function):
                             "bf16 tl.dot gives wrong results; use float16 or float32 there, bfloat16 on a GPU")
         attend = flash_attention_forward if torch.compiler.is_compiling() else _attention_forward
         o, lse = attend(q, k, v, is_causal)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.is_causal = is_causal
-        return o
+        return save_for_recompute(ctx, q, k, v, o, lse, is_causal)
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, is_causal = saved_for_recompute(ctx)
         gradients = flash_attention_backward if torch.compiler.is_compiling() else _attention_backward
-        dq, dk, dv = gradients(q, k, v, o, do, lse, ctx.is_causal)
+        dq, dk, dv = gradients(q, k, v, o, do, lse, is_causal)
         return dq, dk, dv, None

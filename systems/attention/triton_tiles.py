@@ -1,7 +1,9 @@
 """What every attention kernel shares: tile loads and stores, which key tiles need a mask, which tile a program
 owns.
 
-The kernels take strided (batch, heads, seq, d) views and pad the head dim to a power of two with masks.
+The kernels take strided (batch, heads, seq, d) views, each with its strides as one tuple (`q.stride()`: Triton
+specializes each element as it would a scalar argument, so a head dim of stride 1 compiles to vector loads), and
+pad the head dim to a power of two with masks.
 """
 
 from __future__ import annotations
@@ -17,8 +19,24 @@ GRID_ARGS = ["n_batch", "n_heads"]
 
 
 @triton.jit
-def load_tile(ptrs, rows, n_rows, cols, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CHECK_ROWS: tl.constexpr):
-    """A (rows, D_PAD) tile, zero in rows past n_rows (if CHECK_ROWS) and in the head-dim padding."""
+def at_head(X, strides, b, h):
+    """X, a (batch, heads, seq, d) tensor with these strides, moved to its (seq, d) matrix of batch b, head h."""
+    return X + b * strides[0] + h * strides[1]
+
+
+@triton.jit
+def tile_ptrs(X, strides, rows, D_PAD: tl.constexpr):
+    """Pointers to the (rows, D_PAD) tile of X's (seq, d) matrix (see at_head)."""
+    cols = tl.arange(0, D_PAD)
+    return X + rows[:, None] * strides[2] + cols[None, :] * strides[3]
+
+
+@triton.jit
+def load_tile(X, strides, rows, n_rows, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, CHECK_ROWS: tl.constexpr):
+    """The (rows, D_PAD) tile of X's (seq, d) matrix, zero in rows past n_rows (if CHECK_ROWS) and in the head-dim
+    padding."""
+    ptrs = tile_ptrs(X, strides, rows, D_PAD)
+    cols = tl.arange(0, D_PAD)
     # Masks only where needed: a mask that varies along d would stop the loads from being vectorized.
     if CHECK_ROWS:
         mask = rows[:, None] < n_rows
@@ -33,7 +51,11 @@ def load_tile(ptrs, rows, n_rows, cols, HEAD_DIM: tl.constexpr, D_PAD: tl.conste
 
 
 @triton.jit
-def store_tile(ptrs, tile, rows, n_rows, cols, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+def store_tile(ptrs, tile, rows, n_rows, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr):
+    """Stores a tile at tile_ptrs(X, strides, rows, D_PAD), leaving out rows past n_rows and the head-dim padding."""
+    # Pointers rather than X and strides, so that a call computes them before the tile's last arithmetic (acc / l,
+    # dk * scale): computed after it, they reorder the epilogue's instructions and ptxas schedules it differently.
+    cols = tl.arange(0, D_PAD)
     mask = rows[:, None] < n_rows
     if HEAD_DIM != D_PAD:
         mask = mask & (cols[None, :] < HEAD_DIM)

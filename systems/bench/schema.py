@@ -2,8 +2,9 @@
 
 A point names its test id (`str(point)`; saved histories are keyed by these ids, so they never change) and is
 saved whole in its benchmark's `extra_info["point"]`, and in the history's out-of-memory list when it ran out
-of memory, as `point.to_dict()`. The report reads it back with `read_point`. The names the benches and the
-report share (phases, passes, DDP variants, timing keys) are defined here or imported from where they are.
+of memory, as `point.to_dict()`, which records its kind (`class ModelPoint(Point, kind="model")`). The report
+reads it back with `read_point`. The names the benches and the report share (phases, passes, DDP variants,
+timing keys) are defined here or imported from where they are.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import typing
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, dataclass_transform
 
 from systems.parallel.train import PHASES as DDP_PHASES
 from systems.parallel.train import SHARDED, VARIANTS
@@ -33,10 +34,23 @@ def seconds_key(timing: str) -> str:
     return f"{timing}_s"
 
 
+KINDS: dict[str, type[Point]] = {}  # each kind's point class, for read_point
+
+
+@dataclass_transform(frozen_default=True)
 class Point:
-    """What the point dataclasses share: their record, and reading it back with the fields' own types."""
+    """What the points share: each kind is a frozen dataclass of its fields, registered under its kind; its
+    record, and reading it back with the fields' own types."""
 
     kind: ClassVar[str]
+
+    def __init_subclass__(cls, kind: str, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        if kind in KINDS:
+            raise ValueError(f"point kind {kind!r} is taken by {KINDS[kind].__name__}")
+        cls.kind = kind
+        dataclass(frozen=True)(cls)
+        KINDS[kind] = cls
 
     def to_dict(self) -> dict:
         """The kind and every field, a precision by its name. A field named after a Python keyword carries a
@@ -68,9 +82,7 @@ def _typed(hint, value):
     return kind(value)
 
 
-@dataclass(frozen=True)
-class ModelPoint(Point):
-    kind: ClassVar[str] = "model"
+class ModelPoint(Point, kind="model"):
     preset: str
     context: int
     precision: Precision
@@ -94,9 +106,7 @@ ATTENTION_SWEEPS = {"handout": AttentionSweep(8, False, ATTENTION_PASSES[:2]),
                     "flash": AttentionSweep(1, True, ATTENTION_PASSES)}
 
 
-@dataclass(frozen=True)
-class AttentionPoint(Point):
-    kind: ClassVar[str] = "attention"
+class AttentionPoint(Point, kind="attention"):
     sweep: str  # an ATTENTION_SWEEPS key, or "leaderboard"
     impl: str
     batch: int
@@ -110,9 +120,7 @@ class AttentionPoint(Point):
         return f"{self.impl}-seq{self.seq}-d{self.d}-{self.precision.name}-{self.pass_}"
 
 
-@dataclass(frozen=True)
-class AllReducePoint(Point):
-    kind: ClassVar[str] = "allreduce"
+class AllReducePoint(Point, kind="allreduce"):
     backend: str
     world_size: int
     size_mb: float
@@ -121,9 +129,7 @@ class AllReducePoint(Point):
         return f"{self.backend}-{self.world_size}ranks-{self.size_mb:g}MiB"
 
 
-@dataclass(frozen=True)
-class DDPPoint(Point):
-    kind: ClassVar[str] = "ddp"
+class DDPPoint(Point, kind="ddp"):
     variant: str  # one of DDP_VARIANTS
     bucket_size_mb: float | None  # DDPBucketed's, and torch DDP's bucket_cap_mb
     precision: Precision
@@ -140,11 +146,9 @@ def scheme_name(scheme: str, blocks: int | None) -> str:
     return f"every{blocks}" if scheme == "blocks" else scheme
 
 
-@dataclass(frozen=True)
-class CheckpointPoint(Point):
+class CheckpointPoint(Point, kind="checkpoint"):
     """A training step with activation checkpointing; "blocks" takes segments of `blocks` blocks."""
 
-    kind: ClassVar[str] = "checkpoint"
     preset: str
     batch: int
     context: int
@@ -158,11 +162,9 @@ class CheckpointPoint(Point):
         return f"{self.preset}-b{self.batch}-ctx{self.context}-{self.precision.name}-{self.attention}-{scheme}"
 
 
-@dataclass(frozen=True)
-class ContextSearchPoint(Point):
+class ContextSearchPoint(Point, kind="context_search"):
     """The longest context, doubling from `start` up to `limit`, at which a preset trains with a scheme."""
 
-    kind: ClassVar[str] = "context_search"
     preset: str
     batch: int
     precision: Precision
@@ -178,9 +180,7 @@ class ContextSearchPoint(Point):
                 f"-ctx{self.start}to{self.limit}")
 
 
-@dataclass(frozen=True)
-class FSDPPoint(Point):
-    kind: ClassVar[str] = "fsdp"
+class FSDPPoint(Point, kind="fsdp"):
     variant: str  # one of FSDP_VARIANTS
     preset: str
     precision: Precision
@@ -195,13 +195,11 @@ class FSDPPoint(Point):
                 f"-{self.world_size}ranks{depth}")
 
 
-@dataclass(frozen=True)
-class FullStepPoint(Point):
+class FullStepPoint(Point, kind="fullstep"):
     """A whole training step with its levers: a variant of systems.parallel.train (our FSDP for the leaderboard's
     model), the attention backend, checkpointed segments of `checkpoint_blocks` blocks (None: none) and the
     cross-entropy `loss_chunk` tokens at a time (None: the whole logits)."""
 
-    kind: ClassVar[str] = "fullstep"
     variant: str
     preset: str
     precision: Precision
@@ -217,10 +215,6 @@ class FullStepPoint(Point):
         loss = "full" if self.loss_chunk is None else f"chunk{self.loss_chunk}"
         return (f"{self.variant}-{self.preset}-{self.precision.name}-ctx{self.context}-b{self.batch_size}"
                 f"-{self.world_size}ranks-{self.attention}-ckpt-{checkpoint}-loss-{loss}")
-
-
-KINDS = {cls.kind: cls for cls in (ModelPoint, AttentionPoint, AllReducePoint, DDPPoint, FSDPPoint, CheckpointPoint,
-                                   ContextSearchPoint, FullStepPoint)}
 
 
 def read_point(record: dict) -> Point:
