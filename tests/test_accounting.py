@@ -18,6 +18,10 @@ from systems.precision import PRECISIONS
 from systems.step import forward_loss, make_model, random_batch, train_step
 
 CPU = torch.device("cpu")
+# Many heads over a long sequence, thin blocks and a small vocabulary: written-out attention's seq² tensors, saved
+# and transient, decide every peak.
+ATTENTION_BOUND = TransformerConfig(d_model=64, d_ff=64, num_layers=4, num_heads=8, vocab_size=64, context_length=256,
+                                    attention="naive")
 
 
 def precisions(*names):
@@ -80,6 +84,17 @@ def test_saved_activations_match_autograd(attention, precision, num_layers):
     # Under autocast the saved tensors include the bf16 weight copies the matmuls keep.
     weights = model_state(config, precision).autocast_weights
     assert saved_tensor_bytes(model, tokens, targets, precision) == predicted.total + weights
+
+
+@pytest.mark.parametrize("batch_size, num_heads", [(1, 4), (3, 1)], ids=["one-sequence", "one-head"])
+def test_written_out_attention_keeps_the_qkv_output_where_v_needs_no_copy(batch_size, num_heads):
+    """P @ V's batched matmul flattens (batch, heads): with one of them, V's strided view flattens as it is, and
+    the matmul saves it, keeping the whole qkv output rather than a copy of V."""
+    config = get_config("tiny", attention="naive", num_heads=num_heads)
+    model, precision, seq = TransformerLM(config), PRECISIONS["fp32"], 48
+    tokens, targets = (t.clone() for t in random_batch(config, batch_size, seq, CPU))
+    predicted = activation_memory(config, batch_size, seq, precision, device="cpu")
+    assert saved_tensor_bytes(model, tokens, targets, precision) == predicted.total
 
 
 @pytest.mark.parametrize("precision", precisions("bf16", "bf16-weights"))
@@ -164,13 +179,14 @@ def test_cpu_peak_bytes_counts_a_tensor_python_makes_inside_a_scope():
 
 
 @pytest.mark.parametrize("precision", precisions("fp32", "bf16", "bf16-weights"))
-@pytest.mark.parametrize("config", [
-    get_config("tiny", attention="naive"),
-    get_config("tiny", attention="sdpa"),
-    TransformerConfig(d_model=256, d_ff=1024, num_layers=2, num_heads=4, vocab_size=512, context_length=128),
-], ids=["tiny-naive", "tiny-sdpa", "small-vocab"])
-def test_peak_memory_matches_cpu_allocations(config, precision):
-    batch_size, seq = 2, 64
+@pytest.mark.parametrize("config, seq", [
+    (get_config("tiny", attention="naive"), 64),
+    (get_config("tiny", attention="sdpa"), 64),
+    (TransformerConfig(d_model=256, d_ff=1024, num_layers=2, num_heads=4, vocab_size=512, context_length=128), 64),
+    (ATTENTION_BOUND, ATTENTION_BOUND.context_length),
+], ids=["tiny-naive", "tiny-sdpa", "small-vocab", "attention-bound"])
+def test_peak_memory_matches_cpu_allocations(config, seq, precision):
+    batch_size = 2
     measured = training_peaks(config, batch_size, seq, precision)
     predicted = peak_memory(config, batch_size, seq, precision, device="cpu")
     for moment in ("forward", "forward_backward", "train_step"):

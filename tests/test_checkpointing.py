@@ -15,7 +15,7 @@ from systems.loss import cross_entropy
 from systems.model import TransformerConfig, TransformerLM, get_config
 from systems.precision import PRECISIONS
 from systems.step import forward_loss, make_model, random_batch
-from test_accounting import precisions
+from test_accounting import ATTENTION_BOUND, precisions
 
 CPU = torch.device("cpu")
 # Five blocks: segments of 2, 3 and 4 leave a shorter last one, 5 and 7 take them all in one; nested sizes
@@ -105,6 +105,21 @@ def test_peak_memory_matches_cpu_allocations(levels, attention, precision):
     its inner inputs and one inner segment) and the gradients so far. Tolerance as in test_accounting."""
     config = dataclasses.replace(BLOCK_BOUND, attention=attention, checkpoint=levels)
     batch_size, seq = 2, 64
+    measured = training_peaks(config, batch_size, seq, precision)
+    predicted = peak_memory(config, batch_size, seq, precision, device="cpu")
+    for moment in ("forward", "forward_backward", "train_step"):
+        assert measured[moment] == pytest.approx(getattr(predicted, moment), rel=0.02), moment
+
+
+@pytest.mark.parametrize("levels", [(), (1,), (2,), (3, 1)], ids=lambda levels: levels_id(levels) or "none")
+@pytest.mark.parametrize("precision", precisions("fp32", "bf16", "bf16-weights"))
+def test_written_out_attention_peaks_match_cpu_allocations(levels, precision):
+    """Attention's transients on top of what is held: the forward peaks inside the top block's attention (under
+    checkpointing, the block whose forward holds the most segment inputs) at the masked fill, with two copies of
+    the scores; the backward inside a softmax's backward, with the probabilities and two gradients of their size,
+    the block's FFN activations freed by then. Tolerance as in test_accounting."""
+    config = dataclasses.replace(ATTENTION_BOUND, checkpoint=levels)
+    batch_size, seq = 2, config.context_length
     measured = training_peaks(config, batch_size, seq, precision)
     predicted = peak_memory(config, batch_size, seq, precision, device="cpu")
     for moment in ("forward", "forward_backward", "train_step"):

@@ -1,6 +1,7 @@
 """Executable arithmetic: parameters, FLOPs and memory of the Transformer LM (transformer.py), with activation
-checkpointing (checkpointing.py), the parallelism arithmetic of the scaling book (scaling.py), bucketed
-all-reduce time (allreduce.py), and per-rank memory under FSDP (sharding.py)."""
+checkpointing (checkpointing.py) and written-out attention's seq² tensors (scores.py), the parallelism
+arithmetic of the scaling book (scaling.py), bucketed all-reduce time (allreduce.py), and per-rank memory under
+FSDP (sharding.py)."""
 
 from systems.accounting.allreduce import BucketedAllReduce, fit_bucketed_allreduce
 from systems.accounting.checkpointing import SCHEMES, recomputed_blocks

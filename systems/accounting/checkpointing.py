@@ -49,6 +49,14 @@ def held_in_backward(levels: tuple[int, ...], block: int, per_block: int, segmen
     return held + (block - start + 1) * per_block - shared
 
 
+def inputs_in_forward(levels: tuple[int, ...], block: int) -> int:
+    """How many segment inputs are alive while `block`'s forward runs: every outermost segment's so far, kept for
+    the backward; the input of `block`'s segment at each inner level, which the caller running that segment
+    holds; and `block`'s own. Tensors saved inside a segment are dropped as it runs."""
+    outermost = range(0, block + 1, levels[0])
+    return len({*outermost, *segment_starts(levels, block), block})
+
+
 def segment_starts(levels: tuple[int, ...], block: int) -> list[int]:
     """The first block of each segment `block` lies in, outermost first: the last is where the recomputation
     that `block`'s backward holds began."""

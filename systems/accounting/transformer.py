@@ -7,7 +7,9 @@ RoPE saves only its cos/sin tables; SwiGLU saves w1's and w3's outputs, the SiLU
 the product; cross_entropy upcasts the logits and keeps three (batch, seq, vocab) fp32 tensors.
 tests/test_accounting.py checks it against the tensors autograd actually saves (CPU) and against
 torch.cuda.max_memory_allocated (GPU). Activation memory, peak memory and FLOPs follow the config's activation
-checkpointing (checkpointing.py holds its arithmetic; tests/test_checkpointing.py checks it).
+checkpointing (checkpointing.py holds its arithmetic; tests/test_checkpointing.py checks it). Peak memory adds
+what is made and freed around the moment each phase peaks at, written-out attention's seq² tensors among them
+(scores.py).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from systems.accounting.checkpointing import (SCHEMES, held_in_backward, kept_inputs, least_peak_levels,
-                                              recomputed_blocks)
+from systems.accounting.checkpointing import (SCHEMES, held_in_backward, inputs_in_forward, kept_inputs,
+                                              least_peak_levels, recomputed_blocks)
+from systems.accounting.scores import written_out_scores
 from systems.model import ATTENTION_BACKENDS, TransformerConfig
 from systems.precision import FP32, Precision
 
@@ -170,41 +173,63 @@ def activation_memory(config: TransformerConfig, batch_size: int, seq: int, prec
         raise ValueError(f"unknown attention backend {attention!r}; choose from {sorted(ATTENTION_BACKENDS)}")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
-    low = precision.compute.itemsize
-    autocast = precision.uses_autocast
-    casts = precision.weights != precision.compute  # autocast casts the fp32 residual stream and tables
-    d, d_ff, heads, vocab = config.d_model, config.d_ff, config.num_heads, config.vocab_size
+    block = _block_activations(config, batch_size, seq, precision, attention, device)
     tokens = batch_size * seq
-    act = tokens * d * low  # one (batch, seq, d_model) tensor in the matmul dtype
-
-    # Its fp32 input (the residual stream, or an fp32 copy of a bf16 one) and normalized input, the rsqrt.
-    norm = 2 * FP32 * tokens * d + FP32 * tokens
-    attn_in = act  # qkv's input; autocast casts an fp32 norm output
-    ffn_in = 2 * act if casts else act  # w1 and w3 each cast the same fp32 input
-    rope_tables = 2 * 2 * seq * (config.d_head // 2) * low if casts else 0  # cos/sin casts for q and k
-    swiglu = 4 * tokens * d_ff * low  # w1 out (SiLU input), SiLU out, w3 out, product (w2 input)
-    q_k = 2 * act  # after RoPE
-    if attention == "naive":
-        scores = batch_size * heads * seq * seq
-        if autocast and device == "cuda":
-            probs = FP32 * scores + low * scores  # fp32 softmax output and its cast for P @ V
-        else:
-            probs = low * scores
-        # The seq² bool mask; V copied contiguous for the batched matmul; the output re-laid for `out`.
-        attend = q_k + seq * seq + probs + act + act
-    else:
-        out_copy = 0 if attention == "sdpa" and device == "cuda" else act
-        # qkv output (kept whole through the V view), output, fp32 logsumexp
-        attend = 3 * act + q_k + act + FP32 * batch_size * heads * seq + out_copy
-    per_layer = 2 * norm + attn_in + rope_tables + attend + ffn_in + swiglu
-
-    logits = FP32 * tokens * vocab
+    logits = FP32 * tokens * config.vocab_size
     # fp32 logits (amax), exp (its backward), logits minus max (gather), the max and the sum.
     loss = 3 * logits + 2 * FP32 * tokens
-    head = norm + act + loss
-    return Activations(per_layer=per_layer, num_layers=config.num_layers, head=head, logits=logits,
+    head = _norm_saved(tokens, config.d_model) + tokens * config.d_model * precision.compute.itemsize + loss
+    return Activations(per_layer=block.total, num_layers=config.num_layers, head=head, logits=logits,
                        segment_input=residual_stream_bytes(config, batch_size, seq, precision),
                        checkpoint=config.checkpoint)
+
+
+def _norm_saved(tokens: int, d_model: int) -> int:
+    """An RMSNorm's saved tensors: its fp32 input (the residual stream, or an fp32 copy of a bf16 one), the
+    normalized input and the rsqrt."""
+    return 2 * FP32 * tokens * d_model + FP32 * tokens
+
+
+@dataclass(frozen=True)
+class _BlockActivations:
+    """One block's saved-for-backward bytes, in parts that its backward frees in turn: the FFN's first, then
+    what the out projection and attention's last matmul keep, then the rest of attention's."""
+
+    ffn: int  # the norm's, w1's and w3's inputs, SwiGLU's products
+    attention_out: int  # the out projection's input; attention's V (or qkv output), output, logsumexp or P's cast
+    attention_in: int  # the norm's, qkv's input, q and k after RoPE and the casts of its tables
+    scores: int  # written-out attention's mask and probabilities, which its softmax's backward uses
+
+    @property
+    def total(self) -> int:
+        return self.ffn + self.attention_out + self.attention_in + self.scores
+
+
+def _block_activations(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, attention: str,
+                       device: str) -> _BlockActivations:
+    low = precision.compute.itemsize
+    casts = precision.weights != precision.compute  # autocast casts the fp32 residual stream and tables
+    tokens = batch_size * seq
+    act = tokens * config.d_model * low  # one (batch, seq, d_model) tensor in the matmul dtype
+    norm = _norm_saved(tokens, config.d_model)
+    ffn_in = 2 * act if casts else act  # w1 and w3 each cast the same fp32 input
+    swiglu = 4 * tokens * config.d_ff * low  # w1 out (SiLU input), SiLU out, w3 out, product (w2 input)
+    ffn = norm + ffn_in + swiglu
+    rope_tables = 2 * 2 * seq * (config.d_head // 2) * low if casts else 0  # cos/sin casts for q and k
+    # qkv's input (autocast casts an fp32 norm output), q and k after RoPE.
+    attention_in = norm + act + rope_tables + 2 * act
+    if attention == "naive":
+        scores = written_out_scores(config, batch_size, seq, precision, device)
+        # V, which P @ V's batched matmul copies contiguous, unless the batch or the heads are one: then it keeps a
+        # view of the whole qkv output. Then the probabilities' cast, if any, and the output re-laid for `out`.
+        v = 3 * act if 1 in (batch_size, config.num_heads) else act
+        return _BlockActivations(ffn=ffn, attention_out=v + scores.probs_cast + act, attention_in=attention_in,
+                                 scores=scores.mask + scores.probs)
+    out_copy = 0 if attention == "sdpa" and device == "cuda" else act
+    # qkv output (kept whole through the V view), output, fp32 logsumexp
+    lse = FP32 * batch_size * config.num_heads * seq
+    return _BlockActivations(ffn=ffn, attention_out=3 * act + act + lse + out_copy, attention_in=attention_in,
+                             scores=0)
 
 
 @dataclass(frozen=True)
@@ -219,44 +244,96 @@ class PeakMemory:
 
 def peak_memory(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, *,
                 attention: str | None = None, device: str = "cuda") -> PeakMemory:
+    attention = attention or config.attention
     state = model_state(config, precision)
     acts = activation_memory(config, batch_size, seq, precision, attention=attention, device=device)
+    block = _block_activations(config, batch_size, seq, precision, attention, device)
     low, grad = precision.compute.itemsize, precision.grad_bytes
     tokens = batch_size * seq
     d, d_ff, vocab = config.d_model, config.d_ff, config.vocab_size
     residual = residual_stream_bytes(config, batch_size, seq, precision)
     weights = state.params + state.buffers
-    forward = weights + state.autocast_weights + acts.total
     copy = precision.autocast_copy_bytes
     # Under checkpointing the blocks' weight copies leave with the forward's autocast cache; the LM head's stays.
     after_forward = weights + (copy * d * vocab if config.checkpoint else state.autocast_weights) + acts.total
+    forward = weights + state.autocast_weights + acts.total
+    if attention == "naive":
+        forward = max(forward, weights + _written_out_forward(config, batch_size, seq, precision, device, acts, block))
 
     # The loss's backward briefly holds one more fp32 logits-sized gradient, and the bool mask of
     # amax's gradient, than the forward kept.
     loss_backward = acts.logits + acts.logits // FP32
     # Each block's backward frees its activations and weight copies and adds its gradients; its peak is inside
-    # SwiGLU's backward (w2's gradient done, the product's two gradients being made). Without checkpointing the
-    # blocks' peak is in the top block or the bottom one; with it, at the top of some segment.
+    # SwiGLU's backward (w2's gradient done, the product's two gradients being made) or, for written-out
+    # attention, in its softmax's. Without checkpointing the blocks' peak is in the top block or the bottom one;
+    # with it, at the top of some segment. A recomputed block's forward holds what its attention's backward
+    # will, but two score-sized tensors where that holds three or four: it peaks lower.
     layer_grads = grad * (4 * d * d + 3 * d * d_ff + 2 * d)
     layer_copies = copy * (4 * d * d + 3 * d * d_ff)
     w2_copy = copy * d * d_ff
-    swiglu_backward = grad * d * d_ff - w2_copy + 2 * tokens * d_ff * low
+    in_block_peak = grad * d * d_ff - w2_copy + 2 * tokens * d_ff * low  # SwiGLU's backward
+    if attention == "naive":
+        in_block_peak = max(in_block_peak, _written_out_backward(config, batch_size, seq, precision, device, block))
     layers = config.num_layers
     shared = residual if precision.weights == torch.float32 else 0  # a norm saves an fp32 input as it is
 
     def in_block(i: int) -> int:  # blocks above i are done
         held = held_in_backward(config.checkpoint, i, acts.per_layer + layer_copies, residual, shared)
-        return weights + grad * (d * vocab + d) + (layers - 1 - i) * layer_grads + held + residual + swiglu_backward
+        return weights + grad * (d * vocab + d) + (layers - 1 - i) * layer_grads + held + residual + in_block_peak
 
     all_grads = weights + state.grads
-    forward_backward = max(after_forward + loss_backward, *map(in_block, range(layers)), all_grads + residual)
+    forward_backward = max(forward, after_forward + loss_backward, *map(in_block, range(layers)),
+                           all_grads + residual)
     train_step = state.optimizer + max(forward_backward, all_grads + _optimizer_transient(config, precision, device))
 
-    # No grad: the loss's fp32 logits copies, or one block's SwiGLU working set on top of the residual stream.
+    # No grad: the loss's fp32 logits copies, or one block's working set on top of the residual stream: SwiGLU's,
+    # or written-out attention's (the norm's output, qkv's, q and k).
     working_set = max(3 * acts.logits, 2 * residual + 3 * tokens * d_ff * low)
+    if attention == "naive":
+        scores = written_out_scores(config, batch_size, seq, precision, device)
+        working_set = max(working_set, 2 * residual + 5 * tokens * d * low + scores.forward_working_set)
     inference = weights + state.autocast_weights + working_set
     return PeakMemory(inference=inference, forward=forward, forward_backward=forward_backward,
                       train_step=train_step)
+
+
+def _written_out_forward(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, device: str,
+                         acts: Activations, block: _BlockActivations) -> int:
+    """Written-out attention's forward peak, weights aside: inside the top block's attention, or under
+    checkpointing in the block whose forward holds the most segment inputs, with the autocast weight copies
+    made so far and qkv's output, whose views q, k and v are."""
+    copy = precision.autocast_copy_bytes
+    d, d_ff = config.d_model, config.d_ff
+    act = batch_size * seq * d * precision.compute.itemsize
+    scores = written_out_scores(config, batch_size, seq, precision, device)
+
+    def in_attention(i: int, held: int) -> int:
+        return i * copy * (4 * d * d + 3 * d * d_ff) + copy * 3 * d * d + held + 3 * act + scores.forward_working_set
+
+    residual = acts.segment_input
+    if not config.checkpoint:
+        # The blocks below saved, this one's saves up to q and k; under autocast one more residual-stream tensor,
+        # unsaved: the fp32 norm output that qkv takes a cast of, or the bf16 block input the norm saves in fp32.
+        top = config.num_layers - 1
+        unsaved = residual if precision.uses_autocast else 0
+        return in_attention(top, top * acts.per_layer + block.attention_in + unsaved)
+    # Nothing is saved inside a segment: the inputs alive, the norm's output (qkv's input), q and k.
+    return max(in_attention(i, (inputs_in_forward(config.checkpoint, i) + 1) * residual + 2 * act)
+               for i in range(config.num_layers))
+
+
+def _written_out_backward(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, device: str,
+                          block: _BlockActivations) -> int:
+    """What a block's backward holds inside written-out attention's softmax backward beyond the activations held
+    at its start and the residual stream's gradient: the gradients of the FFN, its norm and the out projection,
+    less what their backward has freed (the FFN's activations, the out projection's input, what P @ V kept,
+    those layers' weight copies); V's gradient, waiting for q's and k's; and the softmax's working set."""
+    d, d_ff = config.d_model, config.d_ff
+    later_weights = d * d + 3 * d * d_ff  # out, w1, w3, w2
+    freed = block.ffn + block.attention_out + precision.autocast_copy_bytes * later_weights
+    v_grad = batch_size * seq * d * precision.compute.itemsize
+    scores = written_out_scores(config, batch_size, seq, precision, device)
+    return precision.grad_bytes * (later_weights + d) - freed + v_grad + scores.backward_working_set
 
 
 def nested_checkpoint(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, *,
