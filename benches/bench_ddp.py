@@ -85,10 +85,13 @@ def spec_for(request, **fields) -> TrainSpec:
     return TrainSpec(**options | fields)
 
 
-def predicted_peak_mb(spec: TrainSpec, world_size: int, device: torch.device) -> float:
-    """The largest rank's predicted peak: systems.accounting.fsdp_memory for our FSDP, peak_memory otherwise."""
+def predicted_peak_mb(spec: TrainSpec, world_size: int, device: torch.device) -> float | None:
+    """The largest rank's predicted peak: systems.accounting.fsdp_memory for our FSDP, peak_memory otherwise;
+    None for torch's FSDP2, whose per-block gathers and sharded state the accounting does not model."""
     config, precision = spec.config(), get_precision(spec.precision)
     where = "cuda" if device.type == "cuda" else "cpu"
+    if spec.variant == "fsdp2":
+        return None
     if spec.variant == "fsdp":
         peak = fsdp_memory(config, spec.batch_size, spec.context, precision, world_size, device=where,
                            prefetch=spec.fsdp_prefetch).peak

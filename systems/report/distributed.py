@@ -128,7 +128,8 @@ def fsdp_tables(run: Run) -> list[Table]:
                   note="fsdp is ours, fsdp2 torch's fully_shard; prefetch is how many all-gathers ours keeps in "
                        "flight ahead of the computing layer; the all-gather wait is the time the compute stream "
                        "waited for all-gathers that prefetching did not hide. Predicted peaks: "
-                       "systems.accounting.fsdp_memory for ours, peak_memory for one process and DDP.")
+                       "systems.accounting.fsdp_memory for ours, peak_memory for one process and DDP "
+                       "(which leaves out DDP's buckets); none for fsdp2 (older histories hold one process's).")
     for r in results:
         peak = max((r.get(k) for k in r.fields if k.startswith("memory_") and k.endswith("_mb")), default=None)
         predicted = r.get("predicted_peak_mb")
