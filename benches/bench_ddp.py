@@ -88,10 +88,10 @@ def spec_for(request, **fields) -> TrainSpec:
 def predicted_peak_mb(spec: TrainSpec, world_size: int, device: torch.device) -> float | None:
     """The largest rank's predicted peak: systems.accounting.fsdp_memory for our FSDP, peak_memory otherwise;
     None for torch's FSDP2, whose per-block gathers and sharded state the accounting does not model."""
-    config, precision = spec.config(), get_precision(spec.precision)
-    where = "cuda" if device.type == "cuda" else "cpu"
     if spec.variant == "fsdp2":
         return None
+    config, precision = spec.config(), get_precision(spec.precision)
+    where = "cuda" if device.type == "cuda" else "cpu"
     if spec.variant == "fsdp":
         peak = fsdp_memory(config, spec.batch_size, spec.context, precision, world_size, device=where,
                            prefetch=spec.fsdp_prefetch).peak

@@ -405,8 +405,11 @@ def test_recomputation_prefetches_within_its_block_only(replicas, prefetch):
 
 @pytest.mark.parametrize("prefetch, error", [(0, ValueError), (-2, ValueError), (2.0, TypeError), ("2", TypeError),
                                              (True, TypeError)])
-@pytest.mark.parametrize("build", [lambda k: FSDP(nn.Linear(2, 2), prefetch=k),
-                                   lambda k: TrainSpec(variant="fsdp", fsdp_prefetch=k)], ids=["FSDP", "TrainSpec"])
+@pytest.mark.parametrize("build", [
+    lambda k: FSDP(nn.Linear(2, 2), prefetch=k),
+    lambda k: TrainSpec(variant="fsdp", fsdp_prefetch=k),
+    lambda k: fsdp_memory(get_config("tiny"), 1, 8, PRECISIONS["fp32"], 2, prefetch=k),
+], ids=["FSDP", "TrainSpec", "fsdp_memory"])
 def test_prefetch_is_a_positive_int_checked_before_anything_runs(build, prefetch, error):
     with pytest.raises(error, match="prefetch"):
         build(prefetch)

@@ -12,7 +12,7 @@ import pytest
 from systems.accounting import BucketedAllReduce, count_parameters, peak_memory
 from systems.bench.breakdown import StepBreakdown
 from systems.bench.schema import (POINT, AllReducePoint, AttentionPoint, DDPPoint, FSDPPoint, FullStepPoint,
-                                  ModelPoint, read_point)
+                                  ModelPoint, Point, read_point)
 from systems.model import get_config
 from systems.precision import PRECISIONS
 from systems.report import main
@@ -207,6 +207,15 @@ def test_new_histories_give_the_tables_of_old_ones(tmp_path):
                         if path.name != "report.md"}
     assert len(tables["new"]) == 12 and tables["new"] == tables["old"]
     assert "OOM" in tables["new"]["ddp.md"] and "OOM" in tables["new"]["attention_flash.md"]
+
+
+def test_a_point_kind_is_registered_once():
+    """A new point class names its kind, which read_point dispatches on: a kind taken twice would make one of
+    the two classes unreadable, so declaring it is an error."""
+    assert read_point(FSDPPoint("fsdp", "tiny", BF16, 128, 4, 2, 3).to_dict()).prefetch == 3
+    with pytest.raises(ValueError, match="'fsdp' is taken by FSDPPoint"):
+        class Copy(Point, kind="fsdp"):
+            variant: str
 
 
 @pytest.mark.parametrize("test, point", OOM + (

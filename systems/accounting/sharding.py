@@ -42,6 +42,7 @@ import torch
 from systems.accounting.checkpointing import held_in_backward, segment_starts
 from systems.accounting.transformer import activation_memory, count_parameters, model_state
 from systems.model import TransformerConfig
+from systems.parallel.fsdp import check_prefetch
 from systems.precision import FP32, Precision
 
 
@@ -133,8 +134,7 @@ def fsdp_memory(config: TransformerConfig, batch_size: int, seq: int, precision:
     the unfused AdamW."""
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
-    if prefetch < 1:
-        raise ValueError(f"prefetch must be at least 1, got {prefetch}")
+    check_prefetch(prefetch)
     weights = sharded_weights(config)
     replicated = count_parameters(config) - sum(weights)
     rank = _Rank(world_size, precision.compute.itemsize, precision.grad_bytes, gloo=device == "cpu")

@@ -3,11 +3,11 @@ and a clock for the time the compute stream spends waiting on them.
 
 Under NCCL each is one library call on NCCL's stream, a sum, divided by N on this rank once it arrives:
 on 2 ranks exactly (a + b) / 2, as one process computes it. (`ReduceOp.AVG` premultiplies each term by 1/N
-instead, which in fp16 drops the last bit of every subnormal gradient.) Gloo's reduce-scatter and all-reduce sum in ring order, which
-differs from chunk to chunk, so under gloo (CPU, where overlap buys nothing) a reduction moves every rank's
-contribution to where it is summed (all-to-all, or all-gather) and sums them there in rank order, then
-divides by N: the same arithmetic as one process accumulating per-rank gradients in rank order, at any
-number of ranks. Torch 2.13 renamed the tensor collectives (`all_gather_single`, `reduce_scatter_single`)
+instead, which in fp16 drops the last bit of every subnormal gradient.) Gloo's reduce-scatter and all-reduce
+sum in ring order, which differs from chunk to chunk, so under gloo (CPU, where overlap buys nothing) a
+reduction moves every rank's contribution to where it is summed (all-to-all, or all-gather) and sums them there
+in rank order, then divides by N: the same arithmetic as one process accumulating per-rank gradients in rank
+order, at any number of ranks. Torch 2.13 renamed the tensor collectives (`all_gather_single`, `reduce_scatter_single`)
 and warns on the old names; the GPU image's torch has only the old ones.
 """
 

@@ -5,8 +5,8 @@ layer's full weight only while that layer computes.
 parameters and buffers, then replaces the weight of every module the policy picks (by default any module
 whose class is, or derives from, a class named `Linear` or `Embedding`: torch's, or another codebase's own)
 by this rank's flat shard: elements [rank * c, (rank + 1) * c) of the flattened weight, c = ceil(numel / N),
-so the last ranks' shards may be shorter or empty. A weight two modules share (tied embedding and LM head) is one shard.
-Other parameters (norm gains, biases) stay whole on every rank. A step is `loss = f(fsdp(x));
+so the last ranks' shards may be shorter or empty. A weight two modules share (tied embedding and LM head) is
+one shard. Other parameters (norm gains, biases) stay whole on every rank. A step is `loss = f(fsdp(x));
 loss.backward(); fsdp.finish_gradient_synchronization(); optimizer.step()` with the optimizer over
 `fsdp.parameters()`: the shards and the replicated parameters.
 
