@@ -65,6 +65,7 @@ if not torch.cuda.is_available():
 from systems.accounting import SCHEMES  # noqa: E402
 from systems.attention import BENCHED_BACKENDS  # noqa: E402
 from systems.bench.timing import device_info  # noqa: E402
+from systems.parallel.fsdp import GATHERS  # noqa: E402
 from systems.parallel.ranks import BACKENDS  # noqa: E402
 from systems.bench.gate import RevisionGate  # noqa: E402
 from systems.bench.history import Histories  # noqa: E402
@@ -98,7 +99,7 @@ LOSSES = ("full", "chunked")  # cross-entropy from the whole logits, or --loss-c
 GRID_CHOICES = {"presets": PRESETS, "precisions": PRECISIONS, "attention": ATTENTION_BACKENDS,
                 "attn_precisions": DTYPES, "attn_impls": BENCHED_BACKENDS, "allreduce_backends": BACKENDS,
                 "ddp_preset": PRESETS, "fsdp_preset": PRESETS, "checkpoint": [s for s in SCHEMES if s != "blocks"],
-                "fullstep_preset": PRESETS, "fullstep_variant": VARIANTS, "loss": LOSSES}
+                "fullstep_preset": PRESETS, "fullstep_variant": VARIANTS, "loss": LOSSES, "fsdp_gather": GATHERS}
 _POSITIVE = ("positive", lambda x: x > 0 and math.isfinite(x))
 GRID_NUMBERS = {"contexts": _POSITIVE, "compile_contexts": _POSITIVE, "batch_size": _POSITIVE, "rounds": _POSITIVE,
                 "warmup_steps": ("zero or more", lambda x: x >= 0), "attn_seqs": _POSITIVE, "attn_dims": _POSITIVE,
@@ -164,6 +165,9 @@ def pytest_addoption(parser):
                         "per rank, --contexts, --precisions, --world-sizes); the issue's point: xl")
     dist_grid.addoption("--fsdp-prefetch", type=_csv(int), default=[1],
                         help="all-gathers our FSDP keeps in flight ahead of the computing layer, e.g. 1,2,5")
+    dist_grid.addoption("--fsdp-gather", type=_csv(str), default=["block"],
+                        help="what one of our FSDP's collectives covers: layer (each weight, the handout's) "
+                             "and/or block (a Transformer block's weights, FSDP2's)")
     dist_grid.addoption("--bucket-sizes-mb", type=_csv(float), default=[1.0, 10.0],
                         help="DDPBucketed bucket sizes in MiB, e.g. 1,10,100,1000")
 

@@ -94,7 +94,7 @@ def predicted_peak_mb(spec: TrainSpec, world_size: int, device: torch.device) ->
     where = "cuda" if device.type == "cuda" else "cpu"
     if spec.variant == "fsdp":
         peak = fsdp_memory(config, spec.batch_size, spec.context, precision, world_size, device=where,
-                           prefetch=spec.fsdp_prefetch).peak
+                           prefetch=spec.fsdp_prefetch, gather=spec.fsdp_gather).peak
     else:
         peak = peak_memory(config, spec.batch_size, spec.context, precision, device=where).train_step
     return peak / 2**20

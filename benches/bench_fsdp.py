@@ -2,7 +2,8 @@
 
 The issue's point on 2 x H200: `--fsdp-preset xl --contexts 512 --precisions bf16 --batch-size 16`. The CPU
 default is the tiny preset on 2 gloo ranks. `--fsdp-prefetch 1,2,5` sweeps how many all-gathers our FSDP keeps
-in flight ahead of the computing layer (the other variants run once). Each point trains through
+in flight ahead of the computing layer, and `--fsdp-gather layer,block` what one of its collectives covers
+(the other variants run once). Each point trains through
 systems.parallel.train.train in spawned ranks (bench_ddp's machinery: the ranks time their steps,
 pytest-benchmark's rounds are those steps), with the variant's own sharding: bf16 means bf16 compute, fp32
 master weights (autocast for one process and DDP; weights cast before the all-gathers for FSDP and FSDP2, with
@@ -34,12 +35,13 @@ _step_seconds: dict[tuple, float] = {}  # the point with variant "single" -> its
 
 
 def fsdp_grid(config) -> list[FSDPPoint]:
-    """Every variant once per shape, ours at each --fsdp-prefetch depth."""
+    """Every variant once per shape, ours at each --fsdp-prefetch depth and --fsdp-gather group."""
     opt = config.getoption
     return [FSDPPoint(variant, opt("fsdp_preset"), get_precision(precision), context, opt("batch_size"),
-                      1 if variant == "single" else world_size, prefetch)
+                      1 if variant == "single" else world_size, prefetch, gather)
             for precision in opt("precisions") for context in opt("contexts")
             for world_size in (n for n in opt("world_sizes") if n > 1) for variant in FSDP_VARIANTS
+            for gather in (opt("fsdp_gather") if variant == "fsdp" else ["layer"])
             for prefetch in (opt("fsdp_prefetch") if variant == "fsdp" else [1])]
 
 
@@ -53,7 +55,8 @@ def test_fsdp_step(benchmark, fsdp_point, rank_pools, request, device, skip_on_o
     benchmark.group = f"fsdp-step-{point.preset}-{point.precision.name}-ctx{point.context}"
     spec = spec_for(request, preset=point.preset, variant=point.variant, precision=point.precision.name,
                     bucket_size_mb=DDP_BUCKET_MB if point.variant == "bucketed" else 25.0,
-                    batch_size=point.batch_size, context=point.context, fsdp_prefetch=point.prefetch)
+                    batch_size=point.batch_size, context=point.context, fsdp_prefetch=point.prefetch,
+                    fsdp_gather=point.gather)
     info = benchmark.extra_info
     info[POINT] = point.to_dict()
     with skip_on_oom:

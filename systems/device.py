@@ -22,11 +22,12 @@ def synchronize(device: torch.device) -> None:
 
 
 def nvtx_range(name: str):
-    """A named range of the step on a GPU: an NVTX range for nsys, and a torch.profiler range for
-    systems.bench.breakdown (under torch.compile's tracing the NVTX one only, as before). Nothing off-GPU."""
+    """A named range of the step on a GPU: an NVTX range for nsys, and while torch.profiler runs one of its
+    ranges too, for systems.bench.breakdown (a profiler range costs several times an NVTX one, and FSDP opens
+    one per collective). Under torch.compile's tracing the NVTX one only. Nothing off-GPU."""
     if not torch.cuda.is_available():
         return contextlib.nullcontext()
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not torch._C._autograd._profiler_enabled():
         return torch.cuda.nvtx.range(name)
     return _profiled_range(name)
 

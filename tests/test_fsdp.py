@@ -16,7 +16,8 @@ Models: the project's TransformerLM (sizes not divisible by 3), and a toy built 
 Linear and Embedding (not torch's), with an LM head tied to the embedding, a frozen layer, and a bias and a
 LayerNorm that stay replicated. One spawn per process group runs every model, precision and optimizer
 under warnings-as-errors and deterministic algorithms, and some of them again with deeper prefetching (more
-all-gathers in flight), which must change when weights are gathered, never what is computed.
+all-gathers in flight) or with a block's weights gathered and reduce-scattered at once (`gather="block"`),
+which must change when weights are gathered, never what is computed.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ COMPUTE = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 OPTIMIZERS = ["sgd", "torch-adamw", "adamw"]
 LR = {"sgd": 0.2, "torch-adamw": 0.01, "adamw": 0.01}
 PREFETCHES = [1, 2, 5]  # all-gathers in flight ahead: FSDP's default, and deeper ones; 5 spans a block
+GATHERS = ["layer", "block"]  # what one collective covers: a layer's weight, or a Transformer block's
 TRANSFORMER = get_config("tiny", vocab_size=101, d_model=32, num_heads=4, d_ff=88, context_length=16)
 
 
@@ -94,6 +96,12 @@ class ToyModel(nn.Module):
         x = self.embed(tokens)  # (rows, seq, width)
         x = torch.tanh(self.hidden(x) + self.bias) + self.frozen(x)
         return self.head(self.norm(x))  # (rows, seq, vocab)
+
+
+def gather_for(model_name: str, gather: str):
+    """FSDP's `gather`: on the toy, which has no blocks, "block" is a policy picking the whole model, so its
+    tied, frozen and trainable weights go in one group."""
+    return (lambda module: isinstance(module, ToyModel)) if (model_name, gather) == ("toy", "block") else gather
 
 
 def build(model_name: str, device) -> nn.Module:
@@ -170,11 +178,12 @@ def train_one_process(model_name: str, precision: str, optimizer_name: str, devi
     return initial, {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
 
 
-def train_sharded(model_name: str, precision: str, optimizer_name: str, prefetch: int, device,
+def train_sharded(model_name: str, precision: str, optimizer_name: str, prefetch: int, gather: str, device,
                   world_size: int) -> dict:
     rank = dist.get_rank()
     torch.manual_seed(SEED + rank)
-    wrapped = get_fsdp(build(model_name, device), COMPUTE[precision], prefetch=prefetch)
+    wrapped = get_fsdp(build(model_name, device), COMPUTE[precision], prefetch=prefetch,
+                       gather=gather_for(model_name, gather))
     optimizer = make_optimizer(optimizer_name, wrapped.parameters())
     for step, tokens, targets in batches(model_name, device, world_size):
         loss_of(wrapped(tokens[rows(rank)]), targets[rows(rank)]).backward()
@@ -195,7 +204,8 @@ def train_sharded(model_name: str, precision: str, optimizer_name: str, prefetch
                                              if torch.is_tensor(t) and t.dim() > 0)},
             "peak_gathered": wrapped.gathered.peak,
             "gathered_after_step": wrapped.gathered.bytes,
-            "gathered_sizes": [(u.name, u.chunk * world_size * u.dtype.itemsize) for u in wrapped._order]}
+            "gathered_sizes": [(g.name, sum(u.chunk * world_size * u.dtype.itemsize for u in g.units))
+                               for g in wrapped._order]}
 
 
 @contextlib.contextmanager
@@ -213,11 +223,11 @@ def recording(wrapped: FSDP, events: list):
         yield
 
 
-def trace_step(world_size: int, device, prefetch: int) -> dict:
+def trace_step(world_size: int, device, prefetch: int, gather: str) -> dict:
     """The order of collectives and module calls in a second step's forward and backward (the first has no
     order to prefetch by)."""
     rank = dist.get_rank()
-    wrapped = FSDP(build("transformer", device), prefetch=prefetch)
+    wrapped = FSDP(build("transformer", device), prefetch=prefetch, gather=gather)
     events = []
     with recording(wrapped, events):
         for step, tokens, targets in batches("transformer", device, world_size):
@@ -229,15 +239,17 @@ def trace_step(world_size: int, device, prefetch: int) -> dict:
             backward = list(events)
             wrapped.finish_gradient_synchronization()
             if step == 1:
-                return {"forward": forward, "backward": backward, "uses": [u.name for u in wrapped._order]}
+                return {"forward": forward, "backward": backward, "uses": [g.name for g in wrapped._order],
+                        "groups": {u.name: u.group.name for u in wrapped.units}}
 
 
-def trace_checkpointed_step(world_size: int, device, prefetch: int) -> dict:
+def trace_checkpointed_step(world_size: int, device, prefetch: int, gather: str) -> dict:
     """All-gathers, module calls and reduce-scatters of one step of the Transformer with every block
     checkpointed, and which of them backward issued."""
     rank = dist.get_rank()
     with torch.device(device):
-        wrapped = FSDP(TransformerLM(dataclasses.replace(TRANSFORMER, checkpoint=(1,))), prefetch=prefetch)
+        wrapped = FSDP(TransformerLM(dataclasses.replace(TRANSFORMER, checkpoint=(1,))), prefetch=prefetch,
+                       gather=gather)
     events = []
     with recording(wrapped, events):
         _, tokens, targets = next(batches("transformer", device, world_size))
@@ -246,14 +258,18 @@ def trace_checkpointed_step(world_size: int, device, prefetch: int) -> dict:
         loss_of(logits, targets[rows(rank)]).backward()
         backward = list(events)
         wrapped.finish_gradient_synchronization()
-    return {"backward": backward, "uses": [u.name for u in wrapped._order],
-            "trainable": [u.name for u in wrapped.units if u.shard.requires_grad]}
+    return {"backward": backward, "uses": [g.name for g in wrapped._order],
+            "groups": {u.name: u.group.name for u in wrapped.units},
+            "trainable": list(dict.fromkeys(u.group.name for u in wrapped.units if u.shard.requires_grad))}
 
 
 TRAININGS = [(m, p, o) for m in MODELS for p in COMPUTE for o in OPTIMIZERS]
-# (model, precision, optimizer, prefetch): every training at depth 1, and each model at the deeper ones.
-RUNS = ([(*training, 1) for training in TRAININGS]
-        + [(m, p, "sgd", k) for m in MODELS for p in ("fp32", "bf16") for k in PREFETCHES[1:]])
+# (model, precision, optimizer, prefetch, gather): every training at depth 1 a layer at a time, each model at
+# the deeper ones, and gathering blocks in every precision and with AdamW two blocks ahead.
+RUNS = ([(*training, 1, "layer") for training in TRAININGS]
+        + [(m, p, "sgd", k, "layer") for m in MODELS for p in ("fp32", "bf16") for k in PREFETCHES[1:]]
+        + [(m, p, "sgd", 1, "block") for m in MODELS for p in COMPUTE]
+        + [(m, "bf16", "adamw", 2, "block") for m in MODELS])
 
 
 def train_all() -> dict:
@@ -261,9 +277,9 @@ def train_all() -> dict:
     torch.use_deterministic_algorithms(True)
     world_size, device = dist.get_world_size(), rank_device()
     results = {}
-    for prefetch in PREFETCHES:
-        results["trace", prefetch] = trace_step(world_size, device, prefetch)
-        results["checkpointed", prefetch] = trace_checkpointed_step(world_size, device, prefetch)
+    for prefetch, gather in itertools.product(PREFETCHES, GATHERS):
+        results["trace", prefetch, gather] = trace_step(world_size, device, prefetch, gather)
+        results["checkpointed", prefetch, gather] = trace_checkpointed_step(world_size, device, prefetch, gather)
     for run in RUNS:
         results[run] = train_sharded(*run, device, world_size)
     if dist.get_rank() == 0:  # what one process computes, whatever the prefetching
@@ -277,8 +293,8 @@ replicas = results_by_rank("replicas", train_all, gloo_world_sizes=(2, 3), timeo
 
 
 def run_id(run: tuple) -> str:
-    *training, prefetch = run
-    return "-".join(training) + f"-prefetch{prefetch}"
+    *training, prefetch, gather = run
+    return "-".join(training) + f"-prefetch{prefetch}" + ("-block" if gather == "block" else "")
 
 
 @pytest.mark.parametrize("run", RUNS, ids=run_id)
@@ -293,7 +309,7 @@ def test_matches_one_process_exactly(replicas, run):
 
 @pytest.mark.parametrize("model_name", MODELS)
 def test_replicated_gradients_are_identical_on_every_rank(replicas, model_name):
-    grads = [result[model_name, "fp32", "sgd", 1]["replicated_grads"] for result in replicas]
+    grads = [result[model_name, "fp32", "sgd", 1, "layer"]["replicated_grads"] for result in replicas]
     assert grads[0]
     for other in grads[1:]:
         assert list(other) == list(grads[0])
@@ -303,7 +319,7 @@ def test_replicated_gradients_are_identical_on_every_rank(replicas, model_name):
 @pytest.mark.parametrize("model_name", MODELS)
 def test_gradients_arrive_in_the_shards_shape_and_fp32(replicas, model_name):
     for result in replicas:
-        assert all(result[model_name, "bf16", "sgd", 1]["shard_grads"])
+        assert all(result[model_name, "bf16", "sgd", 1, "layer"]["shard_grads"])
 
 
 def test_training_moves_every_trainable_parameter(replicas):
@@ -321,7 +337,7 @@ def test_each_rank_holds_its_share_of_every_sharded_weight(replicas, model_name)
     model = build(model_name, "cpu")
     sharded = {name: p.numel() for name, p in model.named_parameters()
                if any(m.weight is p for m in model.modules() if is_sharded(m))}
-    numels = [result[model_name, "fp32", "sgd", 1]["shard_numels"] for result in replicas]
+    numels = [result[model_name, "fp32", "sgd", 1, "layer"]["shard_numels"] for result in replicas]
     for name, numel in sharded.items():
         shares = [n[name] for n in numels]
         assert sum(shares) == numel and max(shares) == math.ceil(numel / world_size), name
@@ -329,20 +345,20 @@ def test_each_rank_holds_its_share_of_every_sharded_weight(replicas, model_name)
 
 @pytest.mark.parametrize("run", [run for run in RUNS if run[2] == "sgd"], ids=run_id)
 def test_gathered_weights_alive_at_once_are_the_computing_layer_and_those_prefetched(replicas, run):
-    """At most `prefetch + 1` consecutive layers' weights beyond the shards (in the compute dtype, a weight
+    """At most `prefetch + 1` consecutive groups' weights beyond the shards (in the compute dtype, a weight
     two layers share once), exactly as many as the largest such window holds, and none outlives the step: a
     prefetch too shallow, past the forward's end, or gathering a gathered weight again changes the peak."""
     prefetch = run[3]
     for result in replicas:
-        uses = result[run]["gathered_sizes"]  # (name, bytes) of each use, in forward order
+        uses = result[run]["gathered_sizes"]  # (group, bytes) of each use, in forward order
         windows = [dict(uses[i:i + prefetch + 1]) for i in range(len(uses))]
         assert result[run]["gathered_after_step"] == 0
         assert result[run]["peak_gathered"] == max(sum(window.values()) for window in windows)
 
 
 def gathered_ahead(names: list[str], prefetch: int, marks: list[tuple]) -> list[tuple]:
-    """The events of using `names` in turn with `prefetch` gathers in flight ahead: before use i records
-    `marks[i]`, the gathers up to use i + prefetch are issued, each layer's once."""
+    """The events of using groups `names` in turn with `prefetch` gathers in flight ahead: before use i
+    records `marks[i]`, the gathers up to use i + prefetch are issued, each group's once."""
     events, issued = [], 0
     for i, mark in enumerate(marks):
         ahead = min(len(names), i + 1 + prefetch)
@@ -352,47 +368,65 @@ def gathered_ahead(names: list[str], prefetch: int, marks: list[tuple]) -> list[
     return events
 
 
-@pytest.mark.parametrize("prefetch", PREFETCHES)
-def test_forward_gathers_each_layer_prefetch_layers_ahead(replicas, prefetch):
-    """Each layer's gather is issued before the layer `prefetch` before it runs, none earlier, none for the
-    next forward."""
-    for result in replicas:
-        uses = result["trace", prefetch]["uses"]
-        expected = gathered_ahead(uses, prefetch, [("run", name) for name in uses])
-        assert result["trace", prefetch]["forward"] == expected
+def by_group(trace: dict, phase: str) -> list[tuple]:
+    """The phase's events with each layer's run named by its group, and a group's consecutive runs as one."""
+    events = []
+    for kind, name in trace[phase]:
+        event = (kind, trace["groups"][name] if kind == "run" else name)
+        if kind != "run" or not events or events[-1] != event:
+            events.append(event)
+    return events
 
 
-@pytest.mark.parametrize("prefetch", PREFETCHES)
-def test_backward_gathers_each_saved_weight_once_prefetch_ahead_in_reverse_order(replicas, prefetch):
-    """The embedding saves no weight for backward, so backward gathers every other layer, last first, each
-    before the gradient of the layer `prefetch` after it in the forward is made (its reduce-scatter issued);
-    the embedding's gradient comes last."""
+TRACES = list(itertools.product(PREFETCHES, GATHERS))
+trace_id = "prefetch{0[0]}-{0[1]}".format
+
+
+@pytest.mark.parametrize("traced", TRACES, ids=map(trace_id, TRACES))
+def test_forward_gathers_each_group_prefetch_groups_ahead(replicas, traced):
+    """Each group's gather (a layer's, or a block's: one collective named after the block) is issued before
+    the group `prefetch` before it runs, none earlier, none for the next forward."""
     for result in replicas:
-        uses = result["trace", prefetch]["uses"]
+        trace = result["trace", *traced]
+        uses = trace["uses"]
+        assert all(name.count(".") == 1 for name in uses[1:-1]) == (traced[1] == "block")  # "blocks.3"
+        expected = gathered_ahead(uses, traced[0], [("run", name) for name in uses])
+        assert by_group(trace, "forward") == expected
+
+
+@pytest.mark.parametrize("traced", TRACES, ids=map(trace_id, TRACES))
+def test_backward_gathers_each_saved_group_once_prefetch_ahead_in_reverse_order(replicas, traced):
+    """The embedding saves no weight for backward, so backward gathers every other group, last first, each
+    before the gradients of the group `prefetch` after it in the forward are complete (its reduce-scatter
+    issued); the embedding's gradient comes last."""
+    for result in replicas:
+        trace = result["trace", *traced]
+        uses = trace["uses"]
         saved = uses[1:][::-1]
-        expected = gathered_ahead(saved, prefetch, [("reduce_scatter", name) for name in saved])
-        assert result["trace", prefetch]["backward"] == expected + [("reduce_scatter", uses[0])]
+        expected = gathered_ahead(saved, traced[0], [("reduce_scatter", name) for name in saved])
+        assert by_group(trace, "backward") == expected + [("reduce_scatter", uses[0])]
 
 
-@pytest.mark.parametrize("prefetch", PREFETCHES)
-def test_checkpointed_blocks_reduce_scatter_during_backward(replicas, prefetch):
+@pytest.mark.parametrize("traced", TRACES, ids=map(trace_id, TRACES))
+def test_checkpointed_blocks_reduce_scatter_during_backward(replicas, traced):
     """A recomputed block runs its layers again, but only the forward's uses receive gradients: every
-    weight's reduce-scatter is issued during backward (none waits for finish_gradient_synchronization), and
+    group's reduce-scatter is issued during backward (none waits for finish_gradient_synchronization), and
     the forward order the prefetches follow is the forward's alone."""
     for result in replicas:
-        trace = result["checkpointed", prefetch]
-        assert trace["uses"] == result["trace", prefetch]["uses"]
+        trace = result["checkpointed", *traced]
+        assert trace["uses"] == result["trace", *traced]["uses"]
         issued = [name for kind, name in trace["backward"] if kind == "reduce_scatter"]
         assert sorted(issued) == sorted(trace["trainable"])
 
 
-@pytest.mark.parametrize("prefetch", PREFETCHES)
-def test_recomputation_prefetches_within_its_block_only(replicas, prefetch):
+@pytest.mark.parametrize("traced", TRACES, ids=map(trace_id, TRACES))
+def test_recomputation_prefetches_within_its_block_only(replicas, traced):
     """Backward gathers the LM head's saved weight, then recomputes the blocks last first, each gathering its
-    layers in forward order `prefetch` ahead, and nothing across a block's end (the next was recomputed
-    already, or is the LM head, which saved its own)."""
+    layers' groups in forward order `prefetch` ahead, and nothing across a block's end (the next was
+    recomputed already, or is the LM head, which saved its own)."""
+    prefetch = traced[0]
     for result in replicas:
-        trace = result["checkpointed", prefetch]
+        trace = result["checkpointed", *traced]
         uses = trace["uses"]
         blocks = {}
         for name in uses[1:-1]:  # between the embedding and the LM head
@@ -400,7 +434,7 @@ def test_recomputation_prefetches_within_its_block_only(replicas, prefetch):
         expected = [("gather", uses[-1])]
         for layers in reversed(blocks.values()):
             expected += gathered_ahead(layers, prefetch, [("run", name) for name in layers])
-        assert [event for event in trace["backward"] if event[0] != "reduce_scatter"] == expected
+        assert [event for event in by_group(trace, "backward") if event[0] != "reduce_scatter"] == expected
 
 
 @pytest.mark.parametrize("prefetch, error", [(0, ValueError), (-2, ValueError), (2.0, TypeError), ("2", TypeError),
@@ -415,6 +449,16 @@ def test_prefetch_is_a_positive_int_checked_before_anything_runs(build, prefetch
         build(prefetch)
 
 
+@pytest.mark.parametrize("build", [
+    lambda: FSDP(nn.Linear(2, 2), gather="blocks"),
+    lambda: TrainSpec(variant="fsdp", fsdp_gather="blocks"),
+    lambda: fsdp_memory(get_config("tiny"), 1, 8, PRECISIONS["fp32"], 2, gather="blocks"),
+], ids=["FSDP", "TrainSpec", "fsdp_memory"])
+def test_gather_is_a_known_group_or_a_policy_checked_before_anything_runs(build):
+    with pytest.raises(ValueError, match="gather"):
+        build()
+
+
 def test_default_policy_picks_classes_named_linear_or_embedding():
     picked = [fsdp_module.linear_or_embedding(m) for m in
               (nn.Linear(2, 2), nn.Embedding(3, 2), Linear(2, 2), Embedding(3, 2), nn.LayerNorm(2),
@@ -425,7 +469,7 @@ def test_default_policy_picks_classes_named_linear_or_embedding():
 def test_sharded_state_matches_the_accounting(replicas):
     """Rank 0 holds the largest shards: its parameters, gradients and AdamW moments are what fsdp_memory predicts."""
     predicted = fsdp_memory(TRANSFORMER, ROWS_PER_RANK, SEQ, PRECISIONS["fp32"], len(replicas), device="cpu")
-    state = replicas[0]["transformer", "fp32", "adamw", 1]["state_bytes"]
+    state = replicas[0]["transformer", "fp32", "adamw", 1, "layer"]["state_bytes"]
     assert state == {"params": predicted.params, "grads": predicted.grads, "optimizer": predicted.optimizer}
 
 
@@ -435,16 +479,24 @@ def test_sharded_state_matches_the_accounting(replicas):
 MEMORY_MODEL = get_config("tiny", d_model=64, d_ff=512, num_layers=3, num_heads=4, vocab_size=2048,
                           context_length=128)
 MEMORY_ROWS, MEMORY_SEQ = 2, 64
-# (precision, checkpointed blocks per level, loss chunk, prefetch)
-MEMORY_RUNS = {"fp32": ("fp32", (), None, 1), "bf16": ("bf16", (), None, 1), "bf16-chunked": ("bf16", (), 48, 1),
+# (precision, checkpointed blocks per level, loss chunk, prefetch, gather)
+MEMORY_RUNS = {"fp32": ("fp32", (), None, 1, "layer"), "bf16": ("bf16", (), None, 1, "layer"),
+               "bf16-chunked": ("bf16", (), 48, 1, "layer"),
                # Checkpointed: every block, pairs of blocks (a recomputation holds the block below's weights),
                # and nested segments, in both precisions, with the whole loss and chunks of it.
-               "fp32-blocks": ("fp32", (1,), None, 1), "bf16-blocks-chunked": ("bf16", (1,), 48, 1),
-               "fp32-pairs": ("fp32", (2,), None, 1), "bf16-pairs-chunked": ("bf16", (2,), 48, 1),
-               "fp32-nested": ("fp32", (2, 1), None, 1), "bf16-nested-chunked": ("bf16", (3, 1), 48, 1),
+               "fp32-blocks": ("fp32", (1,), None, 1, "layer"), "bf16-blocks-chunked": ("bf16", (1,), 48, 1, "layer"),
+               "fp32-pairs": ("fp32", (2,), None, 1, "layer"), "bf16-pairs-chunked": ("bf16", (2,), 48, 1, "layer"),
+               "fp32-nested": ("fp32", (2, 1), None, 1, "layer"),
+               "bf16-nested-chunked": ("bf16", (3, 1), 48, 1, "layer"),
                # A block's weights in flight ahead: the chunked loss's backward peaks with them beside the LM head;
                # a recomputation's prefetches stay inside its segment, which it holds whole anyway.
-               "bf16-chunked-prefetch5": ("bf16", (), 48, 5), "fp32-pairs-prefetch5": ("fp32", (2,), None, 5)}
+               "bf16-chunked-prefetch5": ("bf16", (), 48, 5, "layer"),
+               "fp32-pairs-prefetch5": ("fp32", (2,), None, 5, "layer"),
+               # Block groups: a block's gradients wait for its last, two blocks' reduce-scatters in flight, and
+               # whole blocks prefetched (two ahead beside the LM head in the chunked loss's backward).
+               "fp32-block": ("fp32", (), None, 1, "block"), "bf16-block": ("bf16", (), None, 1, "block"),
+               "bf16-chunked-prefetch2-block": ("bf16", (), 48, 2, "block"),
+               "fp32-pairs-block": ("fp32", (2,), None, 1, "block")}
 
 
 def measure_peaks() -> dict:
@@ -456,12 +508,12 @@ def measure_peaks() -> dict:
     return {name: measure_run(*run) for name, run in MEMORY_RUNS.items()}
 
 
-def measure_run(precision_name: str, levels: tuple[int, ...], chunk: int | None, prefetch: int) -> dict:
+def measure_run(precision_name: str, levels: tuple[int, ...], chunk: int | None, prefetch: int, gather: str) -> dict:
     config = dataclasses.replace(MEMORY_MODEL, checkpoint=levels, loss_chunk=chunk)
     precision = PRECISIONS[precision_name]
     torch.manual_seed(SEED)
     wrapped = FSDP(make_model(config, torch.device("cpu"), precision), compute_dtype=precision.compute,
-                   prefetch=prefetch)
+                   prefetch=prefetch, gather=gather)
     optimizer = AdamW(wrapped.parameters())
     tokens, targets = random_batch(config, MEMORY_ROWS, MEMORY_SEQ, torch.device("cpu"))
 
@@ -484,10 +536,10 @@ peaks = results_by_rank("peaks", measure_peaks, gloo_world_sizes=(2, 3), timeout
 
 
 def predicted_memory(run: str, world_size: int):
-    precision_name, levels, chunk, prefetch = MEMORY_RUNS[run]
+    precision_name, levels, chunk, prefetch, gather = MEMORY_RUNS[run]
     config = dataclasses.replace(MEMORY_MODEL, checkpoint=levels, loss_chunk=chunk)
     return fsdp_memory(config, MEMORY_ROWS, MEMORY_SEQ, PRECISIONS[precision_name], world_size, device="cpu",
-                       prefetch=prefetch)
+                       prefetch=prefetch, gather=gather)
 
 
 @pytest.mark.parametrize("run", MEMORY_RUNS)
@@ -504,7 +556,7 @@ def test_step_peak_matches_the_accounting(peaks, run):
     assert peaks[0][run]["step"] == pytest.approx(predicted.peak, rel=0.03)
 
 
-@pytest.mark.parametrize("run", [run for run, (_, levels, _, _) in MEMORY_RUNS.items() if not levels])
+@pytest.mark.parametrize("run", [run for run, (_, levels, *_) in MEMORY_RUNS.items() if not levels])
 def test_gathered_peak_matches_the_accounting(peaks, run):
     """FSDP's own count of the gathered weights it holds, exact where the peaks' tolerance is not: the most is
     the LM head's with the `prefetch` weights after it in backward (the top block's w2 onwards), as many as the

@@ -274,9 +274,9 @@ def test_bucket_sweep_shows_the_bucket_model(tmp_path):
     assert float(rows[0][8]) == pytest.approx(model.optimal_bucket_bytes() / 2**20, rel=1e-3)
 
 
-def fsdp(variant: str, step: float, prefetch: int = 1, **figures) -> dict:
+def fsdp(variant: str, step: float, prefetch: int = 1, gather: str = "layer", **figures) -> dict:
     """A bench_fsdp benchmark of the xl model at context 512, as the bench saves it."""
-    point = FSDPPoint(variant, "xl", BF16, 512, 16, 1 if variant == "single" else 2, prefetch)
+    point = FSDPPoint(variant, "xl", BF16, 512, 16, 1 if variant == "single" else 2, prefetch, gather)
     return bench(f"benches/bench_fsdp.py::test_fsdp_step[{point}]", step,
                  **{POINT: point.to_dict(), "step_s": step, "forward_s": step / 3, **figures})
 
@@ -303,10 +303,11 @@ def saved_before_prefetch(benchmark: dict) -> dict:
 
 def test_fsdp_table_puts_each_variant_beside_one_process_with_its_peak_against_the_prediction(tmp_path):
     """Saved out of order, the FSDP points come back in the comparison's order (one process, DDP, ours by prefetch
-    depth, torch's), with the step and all-gather wait in ms, the largest of the recorded peaks, and that peak
-    over the prediction. A point saved before the depth was recorded is ours at depth 1."""
+    depth and group, torch's), with the step and all-gather wait in ms, the largest of the recorded peaks, and
+    that peak over the prediction. A point saved before the depth was recorded is ours at depth 1, gathering
+    layers."""
     benchmarks = [fsdp("fsdp2", 0.5, vs_single=1.25, memory_before_step_mb=900.0, memory_after_step_mb=950.0),
-                  fsdp("fsdp", 0.44, prefetch=5, gather_wait_s=0.002),
+                  fsdp("fsdp", 0.41, gather="block"), fsdp("fsdp", 0.44, prefetch=5, gather_wait_s=0.002),
                   saved_before_prefetch(fsdp("fsdp", 0.48, vs_single=1.2, gather_wait_s=0.0123,
                                              memory_before_step_mb=1200.0, memory_after_step_mb=1100.0,
                                              predicted_peak_mb=1000.0, peak_gathered_mb=64.0)),
@@ -316,16 +317,18 @@ def test_fsdp_table_puts_each_variant_beside_one_process_with_its_peak_against_t
     code, out = report(tmp_path)
     assert code == 0
     rows = table_rows(out / "fsdp.md")
-    assert [row[4:6] for row in rows] == [["single", ""], ["bucketed", ""], ["fsdp", "1"], ["fsdp", "5"],
-                                          ["fsdp2", ""], ["fsdp", "2"]]
+    assert [row[4:7] for row in rows] == [["single", "", ""], ["bucketed", "", ""], ["fsdp", "1", "block"],
+                                          ["fsdp", "1", "layer"], ["fsdp", "5", "layer"], ["fsdp2", "", ""],
+                                          ["fsdp", "2", "layer"]]
     columns = [cell.strip() for cell in (out / "fsdp.md").read_text().split("\n")[4].strip("|").split("|")]
-    ours = dict(zip(columns, rows[2]))
+    assert dict(zip(columns, rows[2]))["step"] == "410"
+    ours = dict(zip(columns, rows[3]))
     assert (ours["step"], ours["forward"], ours["all-gather wait"]) == ("480", "160", "12.3")
     assert (ours["peak"], ours["predicted peak"], ours["peak / predicted"]) == ("1200", "1000", "1.20")
     assert (ours["vs single"], ours["gathered weights"]) == ("1.2", "64")
-    assert dict(zip(columns, rows[3]))["all-gather wait"] == "2"
-    assert dict(zip(columns, rows[4]))["peak"] == "950"
-    assert rows[5][2:7] == ["1024", "2", "fsdp", "2", "OOM"]
+    assert dict(zip(columns, rows[4]))["all-gather wait"] == "2"
+    assert dict(zip(columns, rows[5]))["peak"] == "950"
+    assert rows[6][2:8] == ["1024", "2", "fsdp", "2", "layer", "OOM"]
 
 
 def columns_and_rows(path: pathlib.Path) -> list[dict[str, str]]:

@@ -2,21 +2,23 @@
 
 Between steps a rank holds its shards (ceil(numel / N) elements of every Linear and Embedding weight, in the
 weights' dtype: the fp32 masters), the replicated parameters whole, the buffers (RoPE tables) and AdamW's
-state of both. A step adds, at each moment, four things (`Moment`), and its peak is the largest moment:
+state of both. FSDP gathers and reduce-scatters in groups (its `gather`): a layer's weight, or a block's five.
+A step adds, at each moment, four things (`Moment`), and its peak is the largest moment:
 
 - gradients: the shards' gradients, each made when its reduce-scatter is waited for, so they accumulate
   through the backward (the replicated parameters' are made whole and are tiny);
-- gathered weights, in the compute dtype and padded to N chunks: in the forward the layer computing and the
-  `prefetch` after it; in the backward the layer whose gradient is being made and the `prefetch` after it in
-  the backward's order (the forward's, reversed, without the embedding, which saves no weight). A
+- gathered weights, in the compute dtype and padded to N chunks: in the forward the group computing and the
+  `prefetch` after it; in the backward what is left of the group whose gradients are being made and the
+  `prefetch` groups after it in the backward's order (the forward's, reversed, without the embedding, which
+  saves no weight). A
   recomputation keeps its layers' weights, as autograd saves them, until each layer's backward has used them:
   while a block's backward runs, every block of its innermost segment recomputed so far is gathered, all but
   its own w2, whose gradient came first; what it prefetched stays inside its segment, so it is among them by
   then. Nothing is prefetched for a recomputation before it starts: FSDP's backward order holds only the
   weights it saved itself, so the LM head's backward gathers the head alone;
-- gradients in flight: a weight's full-size gradient in the compute dtype from its matmul until its
-  reduce-scatter is waited for, with two of them waiting at once (fsdp.REDUCE_SCATTERS_IN_FLIGHT), each beside its
-  chunk of the result; gloo's reduce-scatter (device "cpu") moves every chunk to its rank first, into one
+- gradients in flight: a weight's full-size gradient in the compute dtype from its matmul until its group's
+  reduce-scatter is waited for, with two groups waiting at once (fsdp.REDUCE_SCATTERS_IN_FLIGHT), each beside
+  its chunks of the result; gloo's reduce-scatter (device "cpu") moves every chunk to its rank first, into one
   more full-size buffer;
 - activations: a model whose weights are in the compute dtype saves them (`bf16-weights`' activations for
   bf16 compute, the residual stream in bf16), plus the casts of the fp32 RoPE tables; with checkpointing,
@@ -29,6 +31,9 @@ gradients are made, as in transformer.peak_memory), the embedding's gradient (th
 other gradient made) and the optimizer step. Written-out attention's seq² backward is not among them: the
 model is for "sdpa" and "flash" attention. Nor is the top block's forward, where a deep prefetch holds the
 LM head and the block's weights: it outgrows the forward's end only where they outweigh the loss's logits.
+With block groups, nor are a block's first layer in the forward and its w2's backward, where the whole block
+is gathered beside those prefetched: w2's weight more than the block's backward moment, with fewer
+activations.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ import torch
 from systems.accounting.checkpointing import held_in_backward, segment_starts
 from systems.accounting.transformer import activation_memory, count_parameters, model_state
 from systems.model import TransformerConfig
-from systems.parallel.fsdp import check_prefetch
+from systems.parallel.fsdp import GATHERS, REDUCE_SCATTERS_IN_FLIGHT, check_prefetch
 from systems.precision import FP32, Precision
 
 
@@ -118,56 +123,61 @@ class _Rank:
     def gathered(self, numel: int) -> int:
         return self.world_size * self.chunk(numel) * self.compute
 
-    def reducing(self, numel: int) -> int:
-        """A full-size gradient in its reduce-scatter, gloo's all-to-all copy of it, and the chunk it makes."""
-        return (2 if self.gloo else 1) * self.gathered(numel) + self.chunk(numel) * self.compute
+    def reducing(self, group: list[int]) -> int:
+        """A reduce-scatter's full-size gradients, gloo's all-to-all copies of them, and the chunks it makes."""
+        return sum((2 if self.gloo else 1) * self.gathered(n) + self.chunk(n) * self.compute for n in group)
 
     def shard_grads(self, numels) -> int:
         return sum(self.chunk(n) for n in numels) * self.grad
 
 
 def fsdp_memory(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, world_size: int,
-                *, device: str = "cuda", prefetch: int = 1) -> ShardedMemory:
+                *, device: str = "cuda", prefetch: int = 1, gather: str = "layer") -> ShardedMemory:
     """Per-rank memory of `systems.parallel.train`'s FSDP step: weights in `precision.weights`, compute in
-    `precision.compute`, with `config.checkpoint` and `config.loss_chunk`, gathering `prefetch` weights ahead
-    (FSDP's `prefetch`). `device` "cpu" means gloo, whose reduce-scatter takes one more full-size buffer, and
-    the unfused AdamW."""
+    `precision.compute`, with `config.checkpoint` and `config.loss_chunk`, gathering `prefetch` groups ahead
+    (FSDP's `prefetch`), a group being a layer's weight or a block's (FSDP's `gather`). `device` "cpu" means
+    gloo, whose reduce-scatter takes one more full-size buffer, and the unfused AdamW."""
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
     check_prefetch(prefetch)
+    if gather not in GATHERS:
+        raise ValueError(f"unknown gather {gather!r}; choose from {list(GATHERS)}")
     weights = sharded_weights(config)
     replicated = count_parameters(config) - sum(weights)
     rank = _Rank(world_size, precision.compute.itemsize, precision.grad_bytes, gloo=device == "cpu")
     per_rank = sum(rank.chunk(n) for n in weights) + replicated
-    ahead = _Prefetch(rank, _backward_order(config), prefetch)
+    groups = _gradient_order(config, gather)
+    ahead = _Prefetch(rank, groups if not config.checkpoint else groups[:1], prefetch)
     moments = (*_forward_and_loss(config, batch_size, seq, precision, rank, ahead, device),
-               *_blocks_backward(config, batch_size, seq, precision, rank, ahead, device),
-               _embedding_gradient(config, batch_size, seq, rank, weights, replicated * precision.grad_bytes),
+               *_blocks_backward(config, batch_size, seq, precision, rank, ahead, groups, gather, device),
+               _embedding_gradient(config, batch_size, seq, rank, weights[0], groups,
+                                   replicated * precision.grad_bytes),
                _optimizer_step(config, precision, rank, weights, replicated, device))
     return ShardedMemory(params=precision.weight_bytes * per_rank, grads=precision.grad_bytes * per_rank,
                          optimizer=precision.optimizer_bytes * per_rank,
                          buffers=model_state(config, precision).buffers, moments=moments)
 
 
-def _backward_order(config: TransformerConfig) -> list[int]:
-    """Element counts of the weights FSDP's backward gathers from its own saved placeholders, in its order: the
-    LM head, then every block's Linears last first. Under checkpointing the blocks save through the
-    recomputation, not FSDP, so the head alone."""
-    head = [config.d_model * config.vocab_size]
-    return head if config.checkpoint else head + config.num_layers * block_weights(config)[::-1]
+def _gradient_order(config: TransformerConfig, gather: str) -> list[list[int]]:
+    """Element counts of each group's weights, in the order backward completes their gradients (and, but for
+    checkpointing, gathers them from FSDP's placeholders): the LM head, then every block last first, whose
+    Linears' gradients are made w2, w3, w1, out, qkv. The embedding, which saves no weight, is left out."""
+    block = block_weights(config)[::-1]
+    per_block = [block] if gather == "block" else [[n] for n in block]
+    return [[config.d_model * config.vocab_size]] + config.num_layers * per_block
 
 
 @dataclass(frozen=True)
 class _Prefetch:
-    """The gathered weights the backward has in flight ahead of the one it is using."""
+    """The gathered weights the backward has in flight ahead of the group it is using."""
 
     rank: _Rank
-    order: list[int]  # _backward_order
+    order: list[list[int]]  # the groups backward gathers from FSDP's placeholders, in its order
     depth: int
 
     def after(self, used: int) -> int:
-        """Bytes of the `depth` weights after the first `used` of the order, none past its end."""
-        return sum(self.rank.gathered(n) for n in self.order[used:used + self.depth])
+        """Bytes of the `depth` groups after the first `used` of the order, none past its end."""
+        return sum(self.rank.gathered(n) for group in self.order[used:used + self.depth] for n in group)
 
 
 def _activations(config, batch_size, seq, precision, device):
@@ -216,35 +226,34 @@ def _forward_and_loss(config, batch_size, seq, precision, rank, ahead, device) -
     return [Moment("forward", 0, head, 0, forward), Moment("loss backward", 0, head + prefetched, 0, backward)]
 
 
-def _blocks_backward(config, batch_size, seq, precision, rank, ahead, device) -> list[Moment]:
-    """Block i's backward inside SwiGLU's: w2's gradient in its reduce-scatter beside the one before it (the
-    LM head's above the top block, else the block above's qkv), the gradients of blocks above made but
-    that one's, the weights after w2 prefetched, the product's two gradients made from the gradient flowing
-    in."""
+def _blocks_backward(config, batch_size, seq, precision, rank, ahead, groups, gather, device) -> list[Moment]:
+    """Block i's backward inside SwiGLU's, w2's gradient just made: reduce-scattered at once with per-layer
+    groups, beside the group before it; with block groups held until the block's last gradient, beside the two
+    groups before it in their reduce-scatters. Shard gradients of the groups above those, the block's other
+    weights (block groups) and those prefetched after them, the product's two gradients made from the gradient
+    flowing in."""
     d, d_ff, layers, tokens = config.d_model, config.d_ff, config.num_layers, batch_size * seq
     c, levels = rank.compute, config.checkpoint
     acts = _activations(config, batch_size, seq, precision, device)
-    block = block_weights(config)
-    qkv, w2 = block[0], block[-1]
+    w2 = block_weights(config)[-1]
+    per_block = (len(groups) - 1) // layers
     # A norm saves an fp32 residual stream as it is: a recomputed block's first input is its segment's.
     shared = acts.segment_input if precision.compute == torch.float32 else 0
     norm_grads = 2 * d * rank.grad  # a block's two norm gains
-    lm_head = d * config.vocab_size
     moments = []
     for i in reversed(range(layers)):
         above = layers - 1 - i
-        before = lm_head if above == 0 else qkv
-        done = [] if above == 0 else [lm_head] + above * block
-        if above:
-            done.remove(qkv)
-        grads = rank.shard_grads(done) + d * rank.grad + above * norm_grads
-        # Unless recomputed: the LM head, the blocks above and this block's w2 used, the weights after them prefetched.
-        gathered = (_recomputed_in_block(rank, block, levels, i) if levels
-                    else ahead.after(1 + above * len(block) + 1))
+        at = 1 + above * per_block  # the group of block i's w2
+        made = groups[:at + 1] if gather == "layer" else groups[:at]  # groups whose reduce-scatter is issued
+        waited, reducing = made[:-REDUCE_SCATTERS_IN_FLIGHT], made[-REDUCE_SCATTERS_IN_FLIGHT:]
+        grads = rank.shard_grads(n for group in waited for n in group) + d * rank.grad + above * norm_grads
+        in_flight = sum(rank.reducing(group) for group in reducing) + (w2 * c if gather == "block" else 0)
+        # Unless recomputed: block i's group but w2, used, and the groups after it prefetched.
+        gathered = (_recomputed_in_block(rank, block_weights(config), levels, i) if levels
+                    else sum(rank.gathered(n) for n in groups[at]) - rank.gathered(w2) + ahead.after(at + 1))
         held = held_in_backward(levels, i, acts.per_layer, acts.segment_input, shared)
         activations = held + tokens * d * c + 2 * tokens * d_ff * c
-        moments.append(Moment(f"block {i} backward", grads, gathered, rank.reducing(before) + rank.reducing(w2),
-                              activations))
+        moments.append(Moment(f"block {i} backward", grads, gathered, in_flight, activations))
     return moments
 
 
@@ -255,11 +264,12 @@ def _recomputed_in_block(rank, block, levels, i) -> int:
     return (i - segment_starts(levels, i)[-1]) * (qkv + out + w1 + w3 + w2) + qkv + out + w1 + w3
 
 
-def _embedding_gradient(config, batch_size, seq, rank, weights, replicated_grads) -> Moment:
-    """The backward's end: the embedding's dense gradient joins the bottom block's qkv and out in flight."""
-    embedding, qkv, out = weights[0], weights[1], weights[2]
-    done = rank.shard_grads(weights[3:])
-    in_flight = sum(rank.reducing(n) for n in (embedding, qkv, out))
+def _embedding_gradient(config, batch_size, seq, rank, embedding, groups, replicated_grads) -> Moment:
+    """The backward's end: the embedding's dense gradient joins the last groups' reduce-scatters in flight (the
+    bottom block's qkv and out, or the two bottom blocks)."""
+    waited, reducing = groups[:-REDUCE_SCATTERS_IN_FLIGHT], groups[-REDUCE_SCATTERS_IN_FLIGHT:]
+    done = rank.shard_grads(n for group in waited for n in group)
+    in_flight = sum(rank.reducing(group) for group in reducing) + rank.reducing([embedding])
     return Moment("embedding gradient", done + replicated_grads, 0, in_flight,
                   batch_size * seq * config.d_model * rank.compute)
 

@@ -188,11 +188,13 @@ class FSDPPoint(Point, kind="fsdp"):
     batch_size: int  # per rank
     world_size: int
     prefetch: int = 1  # our FSDP's all-gathers in flight ahead of the computing layer; 1 for the other variants
+    gather: str = "layer"  # what one of our FSDP's collectives covers (fsdp.GATHERS); older runs gathered layers
 
     def __str__(self) -> str:
         depth = f"-prefetch{self.prefetch}" if self.prefetch != 1 else ""  # depth 1's ids predate the field
+        blocks = "-block" if self.gather == "block" else ""  # so do per-layer ids
         return (f"{self.variant}-{self.preset}-{self.precision.name}-ctx{self.context}-b{self.batch_size}"
-                f"-{self.world_size}ranks{depth}")
+                f"-{self.world_size}ranks{depth}{blocks}")
 
 
 class FullStepPoint(Point, kind="fullstep"):

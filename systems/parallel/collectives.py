@@ -1,14 +1,19 @@
 """The collectives FSDP is built from, asynchronous, with averaging whose rounding one process can reproduce;
 and a clock for the time the compute stream spends waiting on them.
 
-Under NCCL each is one library call on NCCL's stream, a sum, divided by N on this rank once it arrives:
+FSDP gathers and reduce-scatters several tensors at a time (a Transformer block's weights), so those two take
+lists; under NCCL they make one call of the process group's coalesced collective: one work object and one
+launch on the host, however many tensors (a call's host time is what FSDP's step is short of;
+docs/perf-notes.md). Gloo's coalesced all-gather corrupts the heap with tensors of different sizes, so under
+gloo each tensor is its own call.
+Under NCCL each is one library call (or group) on NCCL's stream, a sum, divided by N on this rank once it arrives:
 on 2 ranks exactly (a + b) / 2, as one process computes it. (`ReduceOp.AVG` premultiplies each term by 1/N
 instead, which in fp16 drops the last bit of every subnormal gradient.) Gloo's reduce-scatter and all-reduce
 sum in ring order, which differs from chunk to chunk, so under gloo (CPU, where overlap buys nothing) a
 reduction moves every rank's contribution to where it is summed (all-to-all, or all-gather) and sums them there
 in rank order, then divides by N: the same arithmetic as one process accumulating per-rank gradients in rank
-order, at any number of ranks. Torch 2.13 renamed the tensor collectives (`all_gather_single`, `reduce_scatter_single`)
-and warns on the old names; the GPU image's torch has only the old ones.
+order, at any number of ranks. Torch 2.13 renamed the tensor all-gather (`all_gather_single`) and warns on the
+old name; the GPU image's torch has only the old one.
 """
 
 from __future__ import annotations
@@ -22,38 +27,46 @@ import torch.distributed as dist
 from systems.device import nvtx_range
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class Pending:
-    """An asynchronous collective and what completes it once it has arrived (the division by N, and under gloo
-    the rank-ordered sum before it)."""
+    """Asynchronous collectives and what completes them once they have arrived (the division by N, and under
+    gloo the rank-ordered sum before it)."""
 
-    def __init__(self, work: dist.Work, then: Callable[[], None] | None = None):
-        self.work, self.then = work, then
+    def __init__(self, *works: dist.Work, then: Callable[[], None] | None = None):
+        self.works, self.then = works, then
 
     def wait(self) -> None:
-        self.work.wait()
+        for work in self.works:
+            work.wait()
         if self.then is not None:
             self.then()
             self.then = None
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, name: str) -> Pending:
-    """Every rank's `shard`, equal sizes, concatenated in rank order into `output`."""
+def all_gather(outputs: list[torch.Tensor], shards: list[torch.Tensor], name: str) -> Pending:
+    """Every rank's `shards[i]` (the same size on every rank), concatenated in rank order into `outputs[i]`:
+    under NCCL one call however many tensors, run as one group of all-gathers."""
     with nvtx_range(f"all_gather {name}"):
-        return Pending(_all_gather_single(output, shard, async_op=True))
+        if dist.get_backend() == "nccl":
+            return Pending(dist.group.WORLD.allgather_into_tensor_coalesced(outputs, shards))
+        return Pending(*(_all_gather_single(output, shard, async_op=True) for output, shard in zip(outputs, shards)))
 
 
-def reduce_scatter_mean(output: torch.Tensor, full: torch.Tensor, name: str) -> Pending:
-    """This rank's chunk of the mean over ranks of `full` (world_size chunks the size of `output`)."""
+def reduce_scatter_mean(outputs: list[torch.Tensor], fulls: list[torch.Tensor], name: str) -> Pending:
+    """This rank's chunk of the mean over ranks of each `fulls[i]` (world_size chunks the size of
+    `outputs[i]`): under NCCL one call, run as one group."""
+    world_size = dist.get_world_size()
     with nvtx_range(f"reduce_scatter {name}"):
         if dist.get_backend() == "nccl":
-            work = _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, async_op=True)
-            return Pending(work, lambda: output.div_(dist.get_world_size()))
-        chunks = torch.empty_like(full)  # chunk r: rank r's part of this rank's chunk
-        work = dist.all_to_all_single(chunks, full, async_op=True)
-        return Pending(work, lambda: _mean_in_rank_order(chunks.view(dist.get_world_size(), -1), output))
+            work = dist.group.WORLD.reduce_scatter_tensor_coalesced(outputs, fulls, dist.ReduceScatterOptions())
+            return Pending(work, then=lambda: torch._foreach_div_(outputs, world_size))
+        works, means = [], []
+        for output, full in zip(outputs, fulls):
+            chunks = torch.empty_like(full)  # chunk r: rank r's part of this rank's chunk
+            works.append(dist.all_to_all_single(chunks, full, async_op=True))
+            means.append((chunks.view(world_size, -1), output))
+        return Pending(*works, then=lambda: [_mean_in_rank_order(rows, output) for rows, output in means])
 
 
 def all_reduce_mean(tensor: torch.Tensor, name: str) -> Pending:
@@ -61,10 +74,10 @@ def all_reduce_mean(tensor: torch.Tensor, name: str) -> Pending:
     with nvtx_range(f"all_reduce {name}"):
         if dist.get_backend() == "nccl":
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
-            return Pending(work, lambda: tensor.div_(dist.get_world_size()))
+            return Pending(work, then=lambda: tensor.div_(dist.get_world_size()))
         rows = tensor.new_empty(dist.get_world_size() * tensor.numel())
         work = _all_gather_single(rows, tensor, async_op=True)
-        return Pending(work, lambda: _mean_in_rank_order(rows.view(dist.get_world_size(), -1), tensor))
+        return Pending(work, then=lambda: _mean_in_rank_order(rows.view(dist.get_world_size(), -1), tensor))
 
 
 def _mean_in_rank_order(rows: torch.Tensor, out: torch.Tensor) -> None:

@@ -1,29 +1,33 @@
 """Fully-sharded data parallelism: every rank keeps 1/N of each Linear and Embedding weight and gathers a
 layer's full weight only while that layer computes.
 
-`FSDP(module, compute_dtype=None, shard_policy=linear_or_embedding, prefetch=1)` broadcasts rank 0's
-parameters and buffers, then replaces the weight of every module the policy picks (by default any module
-whose class is, or derives from, a class named `Linear` or `Embedding`: torch's, or another codebase's own)
-by this rank's flat shard: elements [rank * c, (rank + 1) * c) of the flattened weight, c = ceil(numel / N),
-so the last ranks' shards may be shorter or empty. A weight two modules share (tied embedding and LM head) is
-one shard. Other parameters (norm gains, biases) stay whole on every rank. A step is `loss = f(fsdp(x));
+`FSDP(module, compute_dtype=None, shard_policy=linear_or_embedding, prefetch=1, gather="layer")` broadcasts
+rank 0's parameters and buffers, then replaces the weight of every module the policy picks (by default any
+module whose class is, or derives from, a class named `Linear` or `Embedding`: torch's, or another codebase's
+own) by this rank's flat shard: elements [rank * c, (rank + 1) * c) of the flattened weight, c = ceil(numel /
+N), so the last ranks' shards may be shorter or empty. A weight two modules share (tied embedding and LM head)
+is one shard. Other parameters (norm gains, biases) stay whole on every rank. A step is `loss = f(fsdp(x));
 loss.backward(); fsdp.finish_gradient_synchronization(); optimizer.step()` with the optimizer over
 `fsdp.parameters()`: the shards and the replicated parameters.
 
-Forward: before a sharded module runs its full weight is all-gathered (cast to `compute_dtype` first, so the
-gather moves compute-dtype bytes; the fp32 shards stay the masters), and the all-gathers of the `prefetch`
-modules that ran after it in the previous forward are issued, so they overlap this module's compute: at depth 1
-a layer's gather starts as the layer two before it finishes, with one layer's compute to hide behind; at depth
-k it has k layers', and k + 1 gathered weights are alive at once. Float inputs of a sharded module are cast to
-`compute_dtype` too. After the module, its full weight is dropped: autograd does not keep it, because while the
-wrapped module runs a saved-tensors hook stands a placeholder in for any tensor that lives in a gathered
-weight's storage. Backward: a placeholder gathers the weight again (the `prefetch` ones that backward needs
+A "group" is what one collective covers (`gather`): "layer", each weight on its own (the handout's); "block",
+the weights of every layer inside one element of an nn.ModuleList (a Transformer block, FSDP2's unit); or the
+layers inside each module a callable picks. A collective's host time hardly depends on its size, so per-layer
+collectives can leave the GPU waiting on the host (docs/perf-notes.md).
+
+Forward: before a group's first layer runs its full weights are all-gathered (cast to `compute_dtype` first,
+so the gather moves compute-dtype bytes; the fp32 shards stay the masters), and the all-gathers of the
+`prefetch` groups that ran after it in the previous forward are issued, to overlap this group's compute (at
+depth 1 a group's gather starts as the group two before it finishes). Float inputs of a sharded module are
+cast to `compute_dtype` too. After each layer its full weight is dropped: while the wrapped module runs, a
+saved-tensors hook stands a placeholder in for any tensor autograd keeps that lives in a gathered weight's
+storage. Backward: a placeholder gathers its group's saved weights again (the `prefetch` groups backward needs
 next are in flight, in the reverse of the forward's order; a recomputed segment prefetches as deep in forward
-order, never past its end) and the weight is dropped once every saved view of it has been used. A weight's
-gradient, summed over its uses, is reduce-scattered (averaged) in the compute dtype as soon as it is complete,
-with at most `REDUCE_SCATTERS_IN_FLIGHT` in flight; each rank adds its chunk to its shard's `.grad` in the
-shard's own dtype. `finish_gradient_synchronization()` waits for the last reduce-scatters and all-reduces
-(averages) the replicated parameters' gradients, so they are identical on every rank.
+order, never past its end) and each weight is dropped once every saved view of it has been used. A group's
+gradients, each summed over its uses, are reduce-scattered (averaged) in the compute dtype once the last is
+complete, with at most `REDUCE_SCATTERS_IN_FLIGHT` in flight; each rank adds its chunk to its shard's `.grad`
+in the shard's own dtype. `finish_gradient_synchronization()` waits for the last reduce-scatters and
+all-reduces (averages) the replicated parameters' gradients, so they are identical on every rank.
 
 Every rank must run the same sharded modules in the same order (as with torch's FSDP): the gathers are
 collectives. Autocast makes its own low-precision copy of an fp32 weight, which autograd then keeps; give
@@ -44,9 +48,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from systems.parallel.collectives import WaitClock, all_gather, all_reduce_mean, reduce_scatter_mean
+from systems.parallel.meters import GatheredMemory
 
 SHARDED_CLASS_NAMES = ("Linear", "Embedding")
-REDUCE_SCATTERS_IN_FLIGHT = 2  # a waited reduce-scatter frees its full-size gradient
+GATHERS = ("layer", "block")  # what one all-gather covers: a layer's weight, or a block's layers' (see FSDP)
+REDUCE_SCATTERS_IN_FLIGHT = 2  # a waited reduce-scatter frees its full-size gradients
 
 
 def check_prefetch(prefetch: int) -> None:
@@ -55,6 +61,11 @@ def check_prefetch(prefetch: int) -> None:
         raise TypeError(f"prefetch must be an int, got {prefetch!r}")
     if prefetch < 1:
         raise ValueError(f"prefetch must be at least 1, got {prefetch}")
+
+
+def check_gather(gather) -> None:
+    if not callable(gather) and gather not in GATHERS:
+        raise ValueError(f"unknown gather {gather!r}; choose from {list(GATHERS)} or pass a module policy")
 
 
 def linear_or_embedding(module: nn.Module) -> bool:
@@ -75,9 +86,9 @@ class _Unit:
         self.shard = nn.Parameter(weight.detach().reshape(-1)[start:stop].clone(), requires_grad=weight.requires_grad)
         self.dtype = compute_dtype or weight.dtype
         self.modules: list[nn.Module] = []
+        self.group: _Group | None = None
         self.flat: torch.Tensor | None = None
-        self.gathering = None  # the Pending all-gather into `flat`
-        self.use = -1  # index of its latest use in the forward
+        self.gathering = None  # the Pending all-gather into `flat` (and its group's others gathered with it)
         self.saved = 0  # views of the gathered weight autograd keeps and backward has not yet asked for
         self.uses = 0  # forward uses whose gradient has not yet arrived
         self.grad: torch.Tensor | None = None  # full-weight gradient, summed over the uses so far
@@ -93,6 +104,43 @@ class _Unit:
     def add_to_grad(self, chunk: torch.Tensor) -> None:
         grad = chunk[:self.shard.numel()].to(self.shard.dtype)
         self.shard.grad = grad if self.shard.grad is None else self.shard.grad + grad
+
+
+class _Group:
+    """Sharded weights gathered by one collective and reduce-scattered by one: a layer's, or every layer's in
+    a block."""
+
+    def __init__(self, name: str):
+        self.name, self.units = name, []
+        self.use = -1  # index of its latest use in the forward
+        self.waiting = 0  # its weights whose gradient is still being summed
+
+    def add(self, unit: _Unit) -> None:
+        unit.group = self
+        self.units.append(unit)
+
+
+def _groups(module: nn.Module, units: list[_Unit], gather: str | Callable[[nn.Module], bool]) -> list[_Group]:
+    """The units of the layers inside each picked module (every element of an nn.ModuleList for "block", or
+    what a policy picks; the outermost, where picks nest) as one group named as that module; every other
+    unit, and one that layers of two picked modules share (tied weights), is a group of its own."""
+    if gather == "layer":
+        picked = []
+    elif gather == "block":
+        picked = [(f"{name}.{index}", block) for name, blocks in module.named_modules()
+                  if isinstance(blocks, nn.ModuleList) for index, block in blocks.named_children()]
+    else:
+        picked = [(name, m) for name, m in module.named_modules() if gather(m)]
+    owner: dict[nn.Module, str] = {}
+    for name, picked_module in picked:
+        for layer in picked_module.modules():
+            owner.setdefault(layer, name)
+    groups: dict[str, _Group] = {}
+    for unit in units:
+        owners = {owner.get(layer) for layer in unit.modules}
+        name = owners.pop() if len(owners) == 1 and None not in owners else unit.name
+        groups.setdefault(name, _Group(name)).add(unit)
+    return list(groups.values())
 
 
 class _GatheredWeight(torch.autograd.Function):
@@ -117,26 +165,12 @@ class _SavedView:
         self.unit, self.geometry = unit, (tensor.size(), tensor.stride(), tensor.storage_offset())
 
 
-class GatheredMemory:
-    """Bytes of gathered weights FSDP holds now, and the most it held at once. Autograd holds none of them
-    (placeholders stand in), so once FSDP lets one go the allocator has it back; a collective's work object
-    may keep its buffer a moment longer, which is why this counts what FSDP holds rather than live storage."""
-
-    def __init__(self):
-        self.bytes = self.peak = 0
-
-    def add(self, tensor: torch.Tensor) -> None:
-        self.bytes += tensor.nbytes
-        self.peak = max(self.peak, self.bytes)
-
-    def remove(self, tensor: torch.Tensor) -> None:
-        self.bytes -= tensor.nbytes
-
-
 class FSDP(nn.Module):
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
-                 shard_policy: Callable[[nn.Module], bool] = linear_or_embedding, prefetch: int = 1):
+                 shard_policy: Callable[[nn.Module], bool] = linear_or_embedding, prefetch: int = 1,
+                 gather: str | Callable[[nn.Module], bool] = "layer"):
         check_prefetch(prefetch)
+        check_gather(gather)
         super().__init__()
         self.module, self.compute_dtype, self.prefetch = module, compute_dtype, prefetch
         self.world_size = dist.get_world_size()
@@ -152,22 +186,23 @@ class FSDP(nn.Module):
             submodule.register_forward_pre_hook(self._before)
             submodule.register_forward_hook(self._after)
         self.units = list(units.values())
+        self.groups = _groups(module, self.units, gather)
         self.shards = nn.ParameterList(unit.shard for unit in self.units)  # first in parameters()
         self._unit_of = {m: unit for unit in self.units for m in unit.modules}
         # The wrapped module's own names, in its order: a sharded weight, or a replicated parameter.
         self._named = [(name, units.get(param, param)) for param, name in names.items()]
         self._replicated = [p for p in module.parameters() if p.requires_grad]
         self._storages: dict[int, _Unit] = {}  # gathered buffer's storage -> its unit, for the saved-tensor hooks
-        self._uses: list[_Unit] = []  # this forward's sharded-module calls, in order
-        self._order: list[_Unit] = []  # the last forward's: what forward and backward prefetch from
+        self._uses: list[_Group] = []  # this forward's groups, in the order they were used (once per visit)
+        self._order: list[_Group] = []  # the last forward's: what forward and backward prefetch from
         self._saving: set[int] = set()  # indices of this forward's uses that saved a gathered weight
-        self._backward: list[_Unit] = []  # those uses' units, last first
+        self._backward: list[_Group] = []  # those uses' groups, last first
         self._cursor = 0  # where backward is in `_backward`
         self._forwarding = False  # a sharded module called outside forward is activation checkpointing's recompute
-        self._calls: list[nn.Module] = []  # this forward's sharded-module calls' modules, as `_uses`
-        self._position: dict[nn.Module, int] = {}  # module -> its (last) index in `_order`
+        self._calls: list[nn.Module] = []  # the module that began each of this forward's uses, as `_uses`
+        self._position: dict[nn.Module, int] = {}  # module -> the (last) use of `_order` it began
         self._recomputed: set[int] = set()  # indices of `_order` this backward has recomputed
-        self._reducing: deque = deque()  # (unit, Pending, chunk) of reduce-scatters in flight
+        self._reducing: deque = deque()  # (units, Pending, chunks) of reduce-scatters in flight
         device = self.shards[0].device if self.units else torch.device("cpu")
         self.gather_wait = WaitClock(device)
         self.gathered = GatheredMemory()
@@ -175,6 +210,8 @@ class FSDP(nn.Module):
     def forward(self, *args, **kwargs):
         for unit in self.units:
             unit.saved = unit.uses = 0
+        for group in self.groups:
+            group.waiting = 0
         self._uses, self._saving, self._calls = [], set(), []
         self._forwarding = True
         try:
@@ -189,23 +226,27 @@ class FSDP(nn.Module):
         self._cursor = 0
         return output
 
-    # Forward: gather, prefetch the next ones, compute, drop.
+    # Forward: gather a group, prefetch the next ones, compute each layer and drop its weight.
 
     def _before(self, module: nn.Module, args: tuple):
         unit = self._unit_of[module]
-        self._start_gather(unit)
-        if self._forwarding:
-            unit.use = len(self._uses)
-            self._uses.append(unit)
+        group = unit.group
+        if self._forwarding and (not self._uses or self._uses[-1] is not group):  # the group's layers begin
+            self._start_gather(group.units)
+            group.use = len(self._uses)
+            self._uses.append(group)
             self._calls.append(module)
-            self._prefetch(unit.use + 1, unit.use + 1 + self.prefetch)
-        else:
+            self._prefetch(group.use + 1, group.use + 1 + self.prefetch)
+        elif not self._forwarding and module in self._position:
+            self._start_gather(group.units)
             self._prefetch_recomputation(module)
+        self._start_gather([unit])  # used again after its group's use let it go
         self._wait_gathered(unit)
         weight = _GatheredWeight.apply(unit.shard, unit.flat, unit, self)
         if weight.requires_grad and self._forwarding:
             # A recomputed use is not counted: its graph only refills saved tensors, and the gradient
             # arrives through the forward's use, so counting it would hold the reduce-scatter to the end.
+            group.waiting += unit.uses == 0
             unit.uses += 1
         module.weight = weight
         if self.compute_dtype is not None:
@@ -216,16 +257,14 @@ class FSDP(nn.Module):
     def _prefetch(self, start: int, stop: int) -> None:
         """Gather uses [start, stop) of the last forward's order; none past its end (the next forward's first
         layers wait for it: their gathers would hold memory through the backward)."""
-        for unit in self._order[start:stop]:
-            self._start_gather(unit)
+        for group in self._order[start:stop]:
+            self._start_gather(group.units)
 
     def _prefetch_recomputation(self, module: nn.Module) -> None:
-        """A recomputed segment runs its layers in forward order: gather the next `prefetch`, up to where the
-        segment ends: a layer recomputed already (a later segment), or one whose forward saved its weight
+        """A recomputed segment runs its groups in forward order: gather the next `prefetch`, up to where the
+        segment ends: a group recomputed already (a later segment), or one whose forward saved a weight
         through FSDP (it was not checkpointed, so it is never recomputed)."""
-        index = self._position.get(module)
-        if index is None:
-            return
+        index = self._position[module]
         self._recomputed.add(index)
         end = index + 1
         while end <= index + self.prefetch and end not in self._recomputed and end not in self._saving:
@@ -236,48 +275,56 @@ class FSDP(nn.Module):
         module.weight = None
         self._release(self._unit_of[module])
 
-    def _start_gather(self, unit: _Unit) -> None:
-        if unit.flat is not None:
+    def _start_gather(self, units: list[_Unit]) -> None:
+        """One all-gather of those of `units` not gathered or in flight already (a group's, in the compute dtype)."""
+        units = [unit for unit in units if unit.flat is None]
+        if not units:
             return
-        unit.flat = torch.empty(self.world_size * unit.chunk, dtype=unit.dtype, device=unit.shard.device)
-        self._storages[unit.flat.untyped_storage().data_ptr()] = unit
-        self.gathered.add(unit.flat)
-        unit.gathering = all_gather(unit.flat, unit.padded(unit.shard.detach(), unit.chunk, unit.dtype), unit.name)
+        for unit in units:
+            unit.flat = torch.empty(self.world_size * unit.chunk, dtype=unit.dtype, device=unit.shard.device)
+            self._storages[unit.flat.untyped_storage().data_ptr()] = unit
+            self.gathered.add(unit.flat)
+        shards = [unit.padded(unit.shard.detach(), unit.chunk, unit.dtype) for unit in units]
+        pending = all_gather([unit.flat for unit in units], shards, units[0].group.name)
+        for unit in units:
+            unit.gathering = pending
 
     def _wait_gathered(self, unit: _Unit) -> None:
-        if unit.gathering is not None:
-            self.gather_wait.wait(unit.gathering)
-            unit.gathering = None
+        pending = unit.gathering
+        if pending is None:
+            return
+        self.gather_wait.wait(pending)
+        for other in unit.group.units:
+            if other.gathering is pending:
+                other.gathering = None
 
     def _release(self, unit: _Unit) -> None:
         if unit.flat is None:
             return
-        if unit.gathering is not None:  # prefetched, never used: the buffer must outlive the collective
-            unit.gathering.wait()
-            unit.gathering = None
+        self._wait_gathered(unit)  # prefetched, never used: the buffer must outlive the collective
         del self._storages[unit.flat.untyped_storage().data_ptr()]
         self.gathered.remove(unit.flat)
         unit.flat = None
 
-    # Autograd keeps placeholders for gathered weights; backward gathers them again.
+    # Autograd keeps placeholders for gathered weights; backward gathers them again, a group's at once.
 
     def _pack(self, tensor: torch.Tensor):
         unit = self._storages.get(tensor.untyped_storage().data_ptr())
         if unit is None:
             return tensor
         unit.saved += 1
-        self._saving.add(unit.use)
+        self._saving.add(unit.group.use)
         return _SavedView(unit, tensor)
 
     def _unpack(self, saved):
         if not isinstance(saved, _SavedView):
             return saved
         unit = saved.unit
-        self._start_gather(unit)
-        while self._cursor < len(self._backward) and self._backward[self._cursor] is not unit:
+        self._start_gather(_saved_units(unit.group))
+        while self._cursor < len(self._backward) and self._backward[self._cursor] is not unit.group:
             self._cursor += 1
         for ahead in self._backward[self._cursor + 1:self._cursor + 1 + self.prefetch]:
-            self._start_gather(ahead)
+            self._start_gather(_saved_units(ahead))
         self._wait_gathered(unit)
         view = unit.flat.as_strided(*saved.geometry)
         unit.saved -= 1
@@ -289,36 +336,45 @@ class FSDP(nn.Module):
         unit.grad = grad if unit.grad is None else unit.grad + grad
         unit.uses -= 1
         if unit.uses == 0:
-            self._reduce_scatter(unit)
+            unit.group.waiting -= 1
+            if unit.group.waiting == 0:
+                self._reduce_scatter(unit.group)
             if unit.saved == 0:  # a recomputation that torch stopped early inside the module never ran `_after`
                 for module in unit.modules:  # which would drop the module's view of the gathered weight
                     module.weight = None
                 self._release(unit)
 
-    def _reduce_scatter(self, unit: _Unit) -> None:
-        full = unit.padded(unit.grad.contiguous().view(-1), self.world_size * unit.chunk, unit.grad.dtype)
-        unit.grad = None
-        chunk = full.new_empty(unit.chunk)
-        self._reducing.append((unit, reduce_scatter_mean(chunk, full, unit.name), chunk))
+    def _reduce_scatter(self, group: _Group) -> None:
+        """One reduce-scatter of the group's gradients summed so far, each padded to its N chunks."""
+        units = [unit for unit in group.units if unit.grad is not None]
+        fulls = [unit.padded(unit.grad.contiguous().view(-1), self.world_size * unit.chunk, unit.grad.dtype)
+                 for unit in units]
+        chunks = [full.new_empty(unit.chunk) for unit, full in zip(units, fulls)]
+        for unit in units:
+            unit.grad = None
+        self._reducing.append((units, reduce_scatter_mean(chunks, fulls, group.name), chunks))
         while len(self._reducing) > REDUCE_SCATTERS_IN_FLIGHT:
             self._finish_reduce_scatter()
 
     def _finish_reduce_scatter(self) -> None:
-        unit, pending, chunk = self._reducing.popleft()
+        units, pending, chunks = self._reducing.popleft()
         pending.wait()
-        unit.add_to_grad(chunk)
+        for unit, chunk in zip(units, chunks):
+            unit.add_to_grad(chunk)
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for the shards' gradients and average the replicated parameters'; call after every backward."""
-        for unit in self.units:  # a use whose output took no part in the loss leaves its sum incomplete
-            if unit.grad is not None:
-                self._reduce_scatter(unit)
+        for group in self.groups:  # a use whose output took no part in the loss leaves its sum incomplete
+            if any(unit.grad is not None for unit in group.units):
+                self._reduce_scatter(group)
         while self._reducing:
             self._finish_reduce_scatter()
         self._average_replicated_gradients()
         for unit in self.units:
             self._release(unit)
             unit.saved = unit.uses = 0
+        for group in self.groups:
+            group.waiting = 0
         self.gather_wait.lap()
 
     def _average_replicated_gradients(self) -> None:
@@ -339,16 +395,22 @@ class FSDP(nn.Module):
         for name, owner in self._named:
             if isinstance(owner, _Unit):
                 flat = owner.shard.new_empty(self.world_size * owner.chunk)
-                all_gather(flat, owner.padded(owner.shard, owner.chunk, owner.shard.dtype), name).wait()
+                all_gather([flat], [owner.padded(owner.shard, owner.chunk, owner.shard.dtype)], name).wait()
                 full[name] = flat[:owner.numel].view(owner.shape)
             else:
                 full[name] = owner.detach().clone()
         return full
 
 
-def get_fsdp(module: nn.Module, compute_dtype: torch.dtype | None = None, prefetch: int = 1) -> FSDP:
+def _saved_units(group: _Group) -> list[_Unit]:
+    """What backward will ask of the group: the weights whose views autograd keeps."""
+    return [unit for unit in group.units if unit.saved > 0]
+
+
+def get_fsdp(module: nn.Module, compute_dtype: torch.dtype | None = None, prefetch: int = 1,
+             gather: str | Callable[[nn.Module], bool] = "layer") -> FSDP:
     """The course's adapter: `module` wrapped in FSDP."""
-    return FSDP(module, compute_dtype, prefetch=prefetch)
+    return FSDP(module, compute_dtype, prefetch=prefetch, gather=gather)
 
 
 def fsdp_on_after_backward(model: FSDP, optimizer: torch.optim.Optimizer) -> None:

@@ -1,4 +1,5 @@
-"""What a training step is measured with: a clock marked between its phases, and peak memory at named moments.
+"""What a training step is measured with: a clock marked between its phases, peak memory at named moments, and
+the gathered weights FSDP holds.
 
 The clock reads its CUDA events only when asked for the seconds, after the run, so marking a phase adds
 no host sync.
@@ -53,3 +54,19 @@ class PeakMemory:
         if self.device.type == "cuda":
             self.mb[moment] = torch.cuda.max_memory_allocated(self.device) / 2**20
         self.reset()
+
+
+class GatheredMemory:
+    """Bytes of gathered weights FSDP holds now, and the most it held at once. Autograd holds none of them
+    (placeholders stand in), so once FSDP lets one go the allocator has it back; a collective's work object
+    may keep its buffer a moment longer, which is why this counts what FSDP holds rather than live storage."""
+
+    def __init__(self):
+        self.bytes = self.peak = 0
+
+    def add(self, tensor: torch.Tensor) -> None:
+        self.bytes += tensor.nbytes
+        self.peak = max(self.peak, self.bytes)
+
+    def remove(self, tensor: torch.Tensor) -> None:
+        self.bytes -= tensor.nbytes

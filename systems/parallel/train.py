@@ -32,7 +32,7 @@ from systems.model import ATTENTION_BACKENDS, PRESETS, TransformerConfig, Transf
 from systems.optim import AdamW, ShardedOptimizer
 from systems.parallel import ddp
 from systems.parallel.ddp import check_bucket_size, make_ddp
-from systems.parallel.fsdp import FSDP, check_prefetch
+from systems.parallel.fsdp import FSDP, GATHERS, check_prefetch
 from systems.parallel.meters import PeakMemory, PhaseClock
 from systems.parallel.ranks import init_from_env, rank_device
 from systems.precision import PRECISIONS, Precision, get_precision
@@ -43,6 +43,7 @@ VARIANTS = ("single", *ddp.VARIANTS, "torch", "fsdp", "fsdp2")
 SHARDED = ("fsdp", "fsdp2")  # compute in the precision's compute dtype, weights cast before the all-gathers
 OPTIMIZERS = ("adamw", "sharded", "zero")
 PHASES = ("forward", "backward", "comm_wait", "optimizer")
+
 
 
 @dataclass(frozen=True)
@@ -64,12 +65,14 @@ class TrainSpec:
     loss_chunk: int | None = None
     attention: str = "sdpa"
     fsdp_prefetch: int = 1  # our FSDP's all-gathers in flight ahead of the computing layer (variant fsdp)
+    fsdp_gather: str = "block"  # our FSDP's collectives: one per layer's weight, or one per block (fsdp.GATHERS)
 
     def __post_init__(self):
         for field, value, choices in (("preset", self.preset, PRESETS), ("variant", self.variant, VARIANTS),
                                       ("optimizer", self.optimizer, OPTIMIZERS),
                                       ("precision", self.precision, PRECISIONS),
-                                      ("attention", self.attention, ATTENTION_BACKENDS)):
+                                      ("attention", self.attention, ATTENTION_BACKENDS),
+                                      ("fsdp_gather", self.fsdp_gather, GATHERS)):
             if value not in choices:
                 raise ValueError(f"unknown {field} {value!r}; choose from {list(choices)}")
         if self.variant in SHARDED and self.optimizer != "adamw":
@@ -201,7 +204,7 @@ def wrap(model: nn.Module, spec: TrainSpec, device: torch.device) -> nn.Module:
                         bucket_cap_mb=spec.bucket_size_mb)
     compute = get_precision(spec.precision).compute
     if spec.variant == "fsdp":
-        return FSDP(model, compute_dtype=compute, prefetch=spec.fsdp_prefetch)
+        return FSDP(model, compute_dtype=compute, prefetch=spec.fsdp_prefetch, gather=spec.fsdp_gather)
     if spec.variant == "fsdp2":
         return TorchFSDP2(model, compute)
     return make_ddp(spec.variant, model, spec.bucket_size_mb if spec.variant == "bucketed" else None)

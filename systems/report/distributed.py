@@ -116,17 +116,19 @@ def _bucket_model(run: Run, step: Result) -> BucketedAllReduce | None:
 
 
 def fsdp_tables(run: Run) -> list[Table]:
-    keys = ["preset", "precision", "context", "world_size", "variant", "prefetch"]
+    keys = ["preset", "precision", "context", "world_size", "variant", "prefetch", "gather"]
     results, oom = _training_steps(run, "bench_fsdp", "test_fsdp_step", keys, FSDP_VARIANTS)
     if not results and not oom:
         return []
     table = Table("fsdp", f"FSDP beside DDP: training step{batch_sizes(results)} per rank (ms; mean over ranks of "
                           "their medians) and peak memory (MiB, the largest rank's)",
-                  ["preset", "precision", "context", "ranks", "variant", "prefetch", "step", "forward", "backward",
+                  ["preset", "precision", "context", "ranks", "variant", "prefetch", "gather", "step", "forward",
+                   "backward",
                    "comm wait", "optimizer", "all-gather wait", "vs single", "TFLOP/s per GPU", "peak",
                    "predicted peak", "peak / predicted", "gathered weights"],
                   note="fsdp is ours, fsdp2 torch's fully_shard; prefetch is how many all-gathers ours keeps in "
-                       "flight ahead of the computing layer; the all-gather wait is the time the compute stream "
+                       "flight ahead of the computing layer, gather what one of its collectives covers (a layer's "
+                       "weight or a block's); the all-gather wait is the time the compute stream "
                        "waited for all-gathers that prefetching did not hide. Predicted peaks: "
                        "systems.accounting.fsdp_memory for ours, peak_memory for one process and DDP "
                        "(which leaves out DDP's buckets); none for fsdp2 (older histories hold one process's).")
@@ -143,8 +145,9 @@ def fsdp_tables(run: Run) -> list[Table]:
 
 
 def _fsdp_point_cells(fields: dict, keys: list[str]) -> list[str]:
-    """A point's cells, its prefetch depth shown for our FSDP alone: the other variants have none."""
-    return [number(fields.get(k)) if k != "prefetch" or fields.get("variant") == "fsdp" else "" for k in keys]
+    """A point's cells, its prefetch depth and gather shown for our FSDP alone: the other variants have none."""
+    return [number(fields.get(k, "layer" if k == "gather" else None))
+            if k not in ("prefetch", "gather") or fields.get("variant") == "fsdp" else "" for k in keys]
 
 
 FULLSTEP_KEYS = ["preset", "precision", "context", "world_size", "variant", "attention", "checkpoint_blocks",
