@@ -161,8 +161,8 @@ def pytest_addoption(parser):
                         help="float32 tensor sizes in MiB, e.g. 1,10,100,1024")
     dist_grid.addoption("--ddp-preset", default="tiny", help="model preset of the DDP and sharded-optimizer benchmarks "
                         "(with --batch-size per rank, --contexts, --precisions, --warmup-steps, --rounds)")
-    dist_grid.addoption("--fsdp-preset", default="tiny", help="model preset of benches/bench_fsdp.py (with --batch-size "
-                        "per rank, --contexts, --precisions, --world-sizes); the issue's point: xl")
+    dist_grid.addoption("--fsdp-preset", default="tiny", help="model preset of benches/bench_fsdp.py (with "
+                        "--batch-size per rank, --contexts, --precisions, --world-sizes); the issue's point: xl")
     dist_grid.addoption("--fsdp-prefetch", type=_csv(int), default=[1],
                         help="all-gathers our FSDP keeps in flight ahead of the computing layer, e.g. 1,2,5")
     dist_grid.addoption("--fsdp-gather", type=_csv(str), default=["block"],

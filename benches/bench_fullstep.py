@@ -54,9 +54,10 @@ def fullstep_grid(config) -> list[FullStepPoint]:
     chunk = opt("loss_chunk") if opt("loss") == "chunked" else None
     variant = opt("fullstep_variant")
     return [FullStepPoint(variant, opt("fullstep_preset"), get_precision(precision), context, opt("batch_size"),
-                          1 if variant == "single" else world_size, opt("attention"), blocks, chunk)
+                          1 if variant == "single" else world_size, opt("attention"), blocks, chunk, gather)
             for precision in opt("precisions") for context in opt("contexts") for world_size in opt("world_sizes")
-            for blocks in opt("checkpoint_blocks") or [None]]
+            for blocks in opt("checkpoint_blocks") or [None]
+            for gather in (opt("fsdp_gather") if variant == "fsdp" else ["layer"])]
 
 
 def pytest_generate_tests(metafunc):
@@ -104,7 +105,7 @@ def spec_of(point: FullStepPoint, request) -> TrainSpec:
     return spec_for(request, preset=point.preset, variant=point.variant, precision=point.precision.name,
                     batch_size=point.batch_size, context=point.context, attention=point.attention,
                     checkpoint=() if point.checkpoint_blocks is None else (point.checkpoint_blocks,),
-                    loss_chunk=point.loss_chunk)
+                    loss_chunk=point.loss_chunk, fsdp_gather=point.gather)
 
 
 def test_fullstep(benchmark, fullstep_point, rank_pools, request, device, skip_on_oom):

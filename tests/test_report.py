@@ -281,9 +281,10 @@ def fsdp(variant: str, step: float, prefetch: int = 1, gather: str = "layer", **
                  **{POINT: point.to_dict(), "step_s": step, "forward_s": step / 3, **figures})
 
 
-def fullstep(attention: str, step: float, checkpoint_blocks: int | None = 1, **figures) -> dict:
+def fullstep(attention: str, step: float, checkpoint_blocks: int | None = 1, gather: str = "block",
+             **figures) -> dict:
     """A bench_fullstep benchmark of the leaderboard's point on 2 ranks, as the bench saves it."""
-    point = FullStepPoint("fsdp", "leaderboard-2026", BF16, 32768, 1, 2, attention, checkpoint_blocks, 4096)
+    point = FullStepPoint("fsdp", "leaderboard-2026", BF16, 32768, 1, 2, attention, checkpoint_blocks, 4096, gather)
     return bench(f"benches/bench_fullstep.py::test_fullstep[{point}]", step,
                  **{POINT: point.to_dict(), "step_s": step, "forward_s": step / 3, **figures})
 
@@ -295,9 +296,10 @@ def step_breakdown(span: float, busy: float) -> dict:
     return StepBreakdown(span_s=span, busy_s=busy, **{k: share * busy for k, share in shares.items()}).to_dict()
 
 
-def saved_before_prefetch(benchmark: dict) -> dict:
-    """A bench_fsdp benchmark as saved before its point had a prefetch depth (ours always prefetched one)."""
-    record = {k: v for k, v in benchmark["extra_info"][POINT].items() if k != "prefetch"}
+def saved_before_levers(benchmark: dict) -> dict:
+    """A benchmark of ours as saved before its point had a prefetch depth and a gather (ours always prefetched
+    one layer)."""
+    record = {k: v for k, v in benchmark["extra_info"][POINT].items() if k not in ("prefetch", "gather")}
     return {**benchmark, "extra_info": {**benchmark["extra_info"], POINT: record}}
 
 
@@ -308,7 +310,7 @@ def test_fsdp_table_puts_each_variant_beside_one_process_with_its_peak_against_t
     layers."""
     benchmarks = [fsdp("fsdp2", 0.5, vs_single=1.25, memory_before_step_mb=900.0, memory_after_step_mb=950.0),
                   fsdp("fsdp", 0.41, gather="block"), fsdp("fsdp", 0.44, prefetch=5, gather_wait_s=0.002),
-                  saved_before_prefetch(fsdp("fsdp", 0.48, vs_single=1.2, gather_wait_s=0.0123,
+                  saved_before_levers(fsdp("fsdp", 0.48, vs_single=1.2, gather_wait_s=0.0123,
                                              memory_before_step_mb=1200.0, memory_after_step_mb=1100.0,
                                              predicted_peak_mb=1000.0, peak_gathered_mb=64.0)),
                   fsdp("single", 0.4), fsdp("bucketed", 0.45, vs_single=1.125)]
@@ -345,13 +347,13 @@ def test_fullstep_table_is_compact_and_replaces_the_dump_of_every_figure(tmp_pat
                    predicted_peak_mb=70200.5, cold_start_s=115.45)
     oom = (("benches/bench_fullstep.py::test_fullstep",
             FullStepPoint("fsdp", "leaderboard-2026", BF16, 65536, 1, 2, "sdpa", 1, 4096)),)
-    save_run(tmp_path / "storage", 1, [fullstep("sdpa", 6.53, **figures), fullstep("flash", 7.03, None)], oom,
-             form="new")
+    save_run(tmp_path / "storage", 1, [fullstep("sdpa", 6.53, **figures),
+                                       saved_before_levers(fullstep("flash", 7.03, None))], oom, form="new")
     code, out = report(tmp_path)
     assert code == 0
     rows = columns_and_rows(out / "fullstep.md")
-    assert [(row["context"], row["attention"], row["checkpoint every"]) for row in rows] == [
-        ("32768", "flash", "none"), ("32768", "sdpa", "1"), ("65536", "sdpa", "1")]
+    assert [(row["context"], row["attention"], row["checkpoint every"], row["gather"]) for row in rows] == [
+        ("32768", "flash", "none", "layer"), ("32768", "sdpa", "1", "block"), ("65536", "sdpa", "1", "layer")]
     assert {k: rows[1][k] for k in ("step", "do_bench step", "MFU", "tokens/s", "peak per rank", "predicted peak",
                                     "peak / predicted", "cold start (s)")} == {
         "step": "6.53", "do_bench step": "6.5", "MFU": "39.4%", "tokens/s": "10,124", "peak per rank": "68.88, 68.36",

@@ -211,12 +211,14 @@ class FullStepPoint(Point, kind="fullstep"):
     attention: str
     checkpoint_blocks: int | None
     loss_chunk: int | None
+    gather: str = "layer"  # what one of our FSDP's collectives covers; older runs gathered layers
 
     def __str__(self) -> str:
         checkpoint = "none" if self.checkpoint_blocks is None else f"every{self.checkpoint_blocks}"
         loss = "full" if self.loss_chunk is None else f"chunk{self.loss_chunk}"
+        blocks = "-block" if self.gather == "block" else ""  # per-layer ids predate the field
         return (f"{self.variant}-{self.preset}-{self.precision.name}-ctx{self.context}-b{self.batch_size}"
-                f"-{self.world_size}ranks-{self.attention}-ckpt-{checkpoint}-loss-{loss}")
+                f"-{self.world_size}ranks-{self.attention}-ckpt-{checkpoint}-loss-{loss}{blocks}")
 
 
 def read_point(record: dict) -> Point:

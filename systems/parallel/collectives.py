@@ -4,8 +4,8 @@ and a clock for the time the compute stream spends waiting on them.
 FSDP gathers and reduce-scatters several tensors at a time (a Transformer block's weights), so those two take
 lists; under NCCL they make one call of the process group's coalesced collective: one work object and one
 launch on the host, however many tensors (a call's host time is what FSDP's step is short of;
-docs/perf-notes.md). Gloo's coalesced all-gather corrupts the heap with tensors of different sizes, so under
-gloo each tensor is its own call.
+docs/perf-notes.md). Gloo's coalesced all-gather crashed ranks of the CPU memory tests now and then (heap
+corruption, not reproduced outside them), so under gloo each tensor is its own call.
 Under NCCL each is one library call (or group) on NCCL's stream, a sum, divided by N on this rank once it arrives:
 on 2 ranks exactly (a + b) / 2, as one process computes it. (`ReduceOp.AVG` premultiplies each term by 1/N
 instead, which in fp16 drops the last bit of every subnormal gradient.) Gloo's reduce-scatter and all-reduce

@@ -135,23 +135,17 @@ def fsdp_tables(run: Run) -> list[Table]:
     for r in results:
         peak = max((r.get(k) for k in r.fields if k.startswith("memory_") and k.endswith("_mb")), default=None)
         predicted = r.get("predicted_peak_mb")
-        table.rows.append(_fsdp_point_cells(r.fields, keys) + [ms(r.get(seconds_key(t))) for t in FSDP_TIMINGS]
+        table.rows.append(point_cells(r.fields, keys) + [ms(r.get(seconds_key(t))) for t in FSDP_TIMINGS]
                           + [number(r.get(k)) for k in ("vs_single", "tflops")]
                           + [number(peak), number(predicted),
                              "" if peak is None or not predicted else f"{peak / predicted:.2f}",
                              number(r.get("peak_gathered_mb"))])
-    table.rows += [_fsdp_point_cells(point, keys) + ["OOM"] + [""] * 11 for point in oom]
+    table.rows += [point_cells(point, keys) + ["OOM"] + [""] * 11 for point in oom]
     return [table]
 
 
-def _fsdp_point_cells(fields: dict, keys: list[str]) -> list[str]:
-    """A point's cells, its prefetch depth and gather shown for our FSDP alone: the other variants have none."""
-    return [number(fields.get(k, "layer" if k == "gather" else None))
-            if k not in ("prefetch", "gather") or fields.get("variant") == "fsdp" else "" for k in keys]
-
-
 FULLSTEP_KEYS = ["preset", "precision", "context", "world_size", "variant", "attention", "checkpoint_blocks",
-                 "loss_chunk"]
+                 "loss_chunk", "gather"]
 
 
 def fullstep_tables(run: Run) -> list[Table]:
@@ -161,8 +155,8 @@ def fullstep_tables(run: Run) -> list[Table]:
     table = Table("fullstep", f"Whole training step{batch_sizes(results)} per rank, as the leaderboard times it: "
                               "step (s), throughput and peak memory (GiB)",
                   ["preset", "precision", "context", "ranks", "variant", "attention", "checkpoint every",
-                   "loss chunk", "step", "do_bench step", "MFU", "tokens/s", "peak per rank", "predicted peak",
-                   "peak / predicted", "cold start (s)"],
+                   "loss chunk", "gather", "step", "do_bench step", "MFU", "tokens/s", "peak per rank",
+                   "predicted peak", "peak / predicted", "cold start (s)"],
                   note="Step: mean over ranks of their medians of the timed steps; do_bench step: the leaderboard's "
                        "figure, triton's do_bench median on the slowest rank (GPU only). MFU and tokens/s come from "
                        "the do_bench step where there is one; MFU counts model FLOPs, recomputation left out. "
@@ -181,11 +175,19 @@ def fullstep_tables(run: Run) -> list[Table]:
 
 
 LEVERS_OFF = {"checkpoint_blocks": "none", "loss_chunk": "full"}  # a full step's levers, by name where None
+OURS_ONLY = ("prefetch", "gather")  # our FSDP's levers, which the other variants have not
+SAVED_BEFORE = {"prefetch": 1, "gather": "layer"}  # what our FSDP ran with before its point recorded the lever
 
 
 def point_cells(fields: dict, keys: list[str]) -> list[str]:
-    """A point's fields as cells: a lever the point has but leaves off by name, a field it lacks empty."""
-    return [LEVERS_OFF.get(k, "") if fields.get(k) is None and k in fields else number(fields.get(k)) for k in keys]
+    """A point's fields as cells: a lever the point has but leaves off by name, our FSDP's levers blank for the
+    other variants and as they ran where an older record lacks them, another field a point lacks empty."""
+    def cell(key: str) -> str:
+        if key in OURS_ONLY:
+            return number(fields.get(key, SAVED_BEFORE[key])) if fields.get("variant") == "fsdp" else ""
+        return LEVERS_OFF.get(key, "") if fields.get(key) is None and key in fields else number(fields.get(key))
+
+    return [cell(key) for key in keys]
 
 
 def _gib(mb: float | None) -> str:

@@ -32,7 +32,8 @@ def build_plots(run: Run, out: Path) -> list[Path]:
                                           key=str):
         # One column per head dim, time above TFLOP/s, one line per implementation: a whole grid in one line
         # per (implementation, d, precision) would be unreadable.
-        points = [r for r in attention if (r.get("sweep"), r.get("pass"), r.get("precision")) == (sweep, pass_, precision)]
+        points = [r for r in attention
+                  if (r.get("sweep"), r.get("pass"), r.get("precision")) == (sweep, pass_, precision)]
         dims = sorted({r.get("d") for r in points}, key=order)
         panels = [panel for ylabel, y in (("ms", lambda r: r.mean * 1e3), ("TFLOP/s", lambda r: r.get("tflops")))
                   for d in dims
