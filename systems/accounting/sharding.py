@@ -149,7 +149,7 @@ def fsdp_memory(config: TransformerConfig, batch_size: int, seq: int, precision:
     groups = _gradient_order(config, gather)
     ahead = _Prefetch(rank, groups if not config.checkpoint else groups[:1], prefetch)
     moments = (*_forward_and_loss(config, batch_size, seq, precision, rank, ahead, device),
-               *_blocks_backward(config, batch_size, seq, precision, rank, ahead, groups, gather, device),
+               *_blocks_backward(config, batch_size, seq, precision, rank, ahead, groups, device),
                _embedding_gradient(config, batch_size, seq, rank, weights[0], groups,
                                    replicated * precision.grad_bytes),
                _optimizer_step(config, precision, rank, weights, replicated, device))
@@ -226,7 +226,7 @@ def _forward_and_loss(config, batch_size, seq, precision, rank, ahead, device) -
     return [Moment("forward", 0, head, 0, forward), Moment("loss backward", 0, head + prefetched, 0, backward)]
 
 
-def _blocks_backward(config, batch_size, seq, precision, rank, ahead, groups, gather, device) -> list[Moment]:
+def _blocks_backward(config, batch_size, seq, precision, rank, ahead, groups, device) -> list[Moment]:
     """Block i's backward inside SwiGLU's, w2's gradient just made: reduce-scattered at once with per-layer
     groups, beside the group before it; with block groups held until the block's last gradient, beside the two
     groups before it in their reduce-scatters. Shard gradients of the groups above those, the block's other
@@ -244,10 +244,11 @@ def _blocks_backward(config, batch_size, seq, precision, rank, ahead, groups, ga
     for i in reversed(range(layers)):
         above = layers - 1 - i
         at = 1 + above * per_block  # the group of block i's w2
-        made = groups[:at + 1] if gather == "layer" else groups[:at]  # groups whose reduce-scatter is issued
+        complete = len(groups[at]) == 1  # w2's group is w2 alone: its reduce-scatter is issued with its gradient
+        made = groups[:at + complete]  # groups whose reduce-scatter is issued
         waited, reducing = made[:-REDUCE_SCATTERS_IN_FLIGHT], made[-REDUCE_SCATTERS_IN_FLIGHT:]
         grads = rank.shard_grads(n for group in waited for n in group) + d * rank.grad + above * norm_grads
-        in_flight = sum(rank.reducing(group) for group in reducing) + (w2 * c if gather == "block" else 0)
+        in_flight = sum(rank.reducing(group) for group in reducing) + (0 if complete else w2 * c)
         # Unless recomputed: block i's group but w2, used, and the groups after it prefetched.
         gathered = (_recomputed_in_block(rank, block_weights(config), levels, i) if levels
                     else sum(rank.gathered(n) for n in groups[at]) - rank.gathered(w2) + ahead.after(at + 1))

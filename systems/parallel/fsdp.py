@@ -139,7 +139,9 @@ def _groups(module: nn.Module, units: list[_Unit], gather: str | Callable[[nn.Mo
     for unit in units:
         owners = {owner.get(layer) for layer in unit.modules}
         name = owners.pop() if len(owners) == 1 and None not in owners else unit.name
-        groups.setdefault(name, _Group(name)).add(unit)
+        if name not in groups:
+            groups[name] = _Group(name)
+        groups[name].add(unit)
     return list(groups.values())
 
 
