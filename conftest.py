@@ -65,7 +65,7 @@ if not torch.cuda.is_available():
 from systems.accounting import SCHEMES  # noqa: E402
 from systems.attention import BENCHED_BACKENDS  # noqa: E402
 from systems.bench.timing import device_info  # noqa: E402
-from systems.parallel.fsdp import GATHERS  # noqa: E402
+from systems.parallel.fsdp import Gather  # noqa: E402
 from systems.parallel.ranks import BACKENDS  # noqa: E402
 from systems.bench.gate import RevisionGate  # noqa: E402
 from systems.bench.history import Histories  # noqa: E402
@@ -99,7 +99,7 @@ LOSSES = ("full", "chunked")  # cross-entropy from the whole logits, or --loss-c
 GRID_CHOICES = {"presets": PRESETS, "precisions": PRECISIONS, "attention": ATTENTION_BACKENDS,
                 "attn_precisions": DTYPES, "attn_impls": BENCHED_BACKENDS, "allreduce_backends": BACKENDS,
                 "ddp_preset": PRESETS, "fsdp_preset": PRESETS, "checkpoint": [s for s in SCHEMES if s != "blocks"],
-                "fullstep_preset": PRESETS, "fullstep_variant": VARIANTS, "loss": LOSSES, "fsdp_gather": GATHERS}
+                "fullstep_preset": PRESETS, "fullstep_variant": VARIANTS, "loss": LOSSES, "fsdp_gather": list(Gather)}
 _POSITIVE = ("positive", lambda x: x > 0 and math.isfinite(x))
 GRID_NUMBERS = {"contexts": _POSITIVE, "compile_contexts": _POSITIVE, "batch_size": _POSITIVE, "rounds": _POSITIVE,
                 "warmup_steps": ("zero or more", lambda x: x >= 0), "attn_seqs": _POSITIVE, "attn_dims": _POSITIVE,

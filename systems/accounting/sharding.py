@@ -47,7 +47,7 @@ import torch
 from systems.accounting.checkpointing import held_in_backward, segment_starts
 from systems.accounting.transformer import activation_memory, count_parameters, model_state
 from systems.model import TransformerConfig
-from systems.parallel.fsdp import GATHERS, REDUCE_SCATTERS_IN_FLIGHT, check_prefetch
+from systems.parallel.fsdp import DEFAULT_GATHER, DEFAULT_PREFETCH, REDUCE_SCATTERS_IN_FLIGHT, Gather, check_prefetch
 from systems.precision import FP32, Precision
 
 
@@ -132,7 +132,8 @@ class _Rank:
 
 
 def fsdp_memory(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, world_size: int,
-                *, device: str = "cuda", prefetch: int = 1, gather: str = "layer") -> ShardedMemory:
+                *, device: str = "cuda", prefetch: int = DEFAULT_PREFETCH,
+                gather: Gather = DEFAULT_GATHER) -> ShardedMemory:
     """Per-rank memory of `systems.parallel.train`'s FSDP step: weights in `precision.weights`, compute in
     `precision.compute`, with `config.checkpoint` and `config.loss_chunk`, gathering `prefetch` groups ahead
     (FSDP's `prefetch`), a group being a layer's weight or a block's (FSDP's `gather`). `device` "cpu" means
@@ -140,8 +141,7 @@ def fsdp_memory(config: TransformerConfig, batch_size: int, seq: int, precision:
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
     check_prefetch(prefetch)
-    if gather not in GATHERS:
-        raise ValueError(f"unknown gather {gather!r}; choose from {list(GATHERS)}")
+    gather = Gather(gather)
     weights = sharded_weights(config)
     replicated = count_parameters(config) - sum(weights)
     rank = _Rank(world_size, precision.compute.itemsize, precision.grad_bytes, gloo=device == "cpu")
@@ -158,12 +158,12 @@ def fsdp_memory(config: TransformerConfig, batch_size: int, seq: int, precision:
                          buffers=model_state(config, precision).buffers, moments=moments)
 
 
-def _gradient_order(config: TransformerConfig, gather: str) -> list[list[int]]:
+def _gradient_order(config: TransformerConfig, gather: Gather) -> list[list[int]]:
     """Element counts of each group's weights, in the order backward completes their gradients (and, but for
     checkpointing, gathers them from FSDP's placeholders): the LM head, then every block last first, whose
     Linears' gradients are made w2, w3, w1, out, qkv. The embedding, which saves no weight, is left out."""
     block = block_weights(config)[::-1]
-    per_block = [block] if gather == "block" else [[n] for n in block]
+    per_block = [block] if gather == Gather.BLOCK else [[n] for n in block]
     return [[config.d_model * config.vocab_size]] + config.num_layers * per_block
 
 

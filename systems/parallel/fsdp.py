@@ -1,7 +1,7 @@
 """Fully-sharded data parallelism: every rank keeps 1/N of each Linear and Embedding weight and gathers a
 layer's full weight only while that layer computes.
 
-`FSDP(module, compute_dtype=None, shard_policy=linear_or_embedding, prefetch=1, gather="layer")` broadcasts
+`FSDP(module, compute_dtype=None, shard_policy=linear_or_embedding, prefetch=1, gather="block")` broadcasts
 rank 0's parameters and buffers, then replaces the weight of every module the policy picks (by default any
 module whose class is, or derives from, a class named `Linear` or `Embedding`: torch's, or another codebase's
 own) by this rank's flat shard: elements [rank * c, (rank + 1) * c) of the flattened weight, c = ceil(numel /
@@ -10,8 +10,9 @@ is one shard. Other parameters (norm gains, biases) stay whole on every rank. A 
 loss.backward(); fsdp.finish_gradient_synchronization(); optimizer.step()` with the optimizer over
 `fsdp.parameters()`: the shards and the replicated parameters.
 
-A "group" is what one collective covers (`gather`): "layer", each weight on its own (the handout's); "block",
-the weights of every layer inside one element of an nn.ModuleList (a Transformer block, FSDP2's unit); or the
+A "group" is what one collective covers (`gather`, a `Gather`): "layer", each weight on its own (the handout's);
+"block", the weights of every layer inside one element of an nn.ModuleList (a Transformer block, FSDP2's unit,
+the default); or the
 layers inside each module a callable picks. A collective's host time hardly depends on its size, so per-layer
 collectives can leave the GPU waiting on the host (docs/perf-notes.md).
 
@@ -38,6 +39,7 @@ systems.parallel.collectives.WaitClock) are what the benchmark measures.
 
 from __future__ import annotations
 
+import enum
 import itertools
 import math
 from collections import deque
@@ -51,21 +53,32 @@ from systems.parallel.collectives import WaitClock, all_gather, all_reduce_mean,
 from systems.parallel.meters import GatheredMemory
 
 SHARDED_CLASS_NAMES = ("Linear", "Embedding")
-GATHERS = ("layer", "block")  # what one all-gather covers: a layer's weight, or a block's layers' (see FSDP)
 REDUCE_SCATTERS_IN_FLIGHT = 2  # a waited reduce-scatter frees its full-size gradients
 
 
-def check_prefetch(prefetch: int) -> None:
+class Gather(enum.StrEnum):
+    """What one all-gather (and one reduce-scatter) covers: a layer's weight (the handout's), or every layer's of
+    a block (FSDP2's unit: one host call per block, see FSDP)."""
+
+    LAYER = "layer"
+    BLOCK = "block"
+
+    @classmethod
+    def _missing_(cls, value):
+        raise ValueError(f"unknown gather {value!r}; choose from {', '.join(cls)}")
+
+
+DEFAULT_GATHER = Gather.BLOCK
+DEFAULT_PREFETCH = 1  # the next group's all-gather in flight while a group computes
+
+
+def check_prefetch(prefetch: int) -> int:
     """Gathers in flight ahead of the computing layer: a whole number, at least the next layer's."""
     if isinstance(prefetch, bool) or not isinstance(prefetch, int):
         raise TypeError(f"prefetch must be an int, got {prefetch!r}")
     if prefetch < 1:
         raise ValueError(f"prefetch must be at least 1, got {prefetch}")
-
-
-def check_gather(gather) -> None:
-    if not callable(gather) and gather not in GATHERS:
-        raise ValueError(f"unknown gather {gather!r}; choose from {list(GATHERS)} or pass a module policy")
+    return prefetch
 
 
 def linear_or_embedding(module: nn.Module) -> bool:
@@ -120,13 +133,13 @@ class _Group:
         self.units.append(unit)
 
 
-def _groups(module: nn.Module, units: list[_Unit], gather: str | Callable[[nn.Module], bool]) -> list[_Group]:
+def _groups(module: nn.Module, units: list[_Unit], gather: Gather | Callable[[nn.Module], bool]) -> list[_Group]:
     """The units of the layers inside each picked module (every element of an nn.ModuleList for "block", or
     what a policy picks; the outermost, where picks nest) as one group named as that module; every other
     unit, and one that layers of two picked modules share (tied weights), is a group of its own."""
-    if gather == "layer":
+    if gather == Gather.LAYER:
         picked = []
-    elif gather == "block":
+    elif gather == Gather.BLOCK:
         picked = [(f"{name}.{index}", block) for name, blocks in module.named_modules()
                   if isinstance(blocks, nn.ModuleList) for index, block in blocks.named_children()]
     else:
@@ -169,10 +182,10 @@ class _SavedView:
 
 class FSDP(nn.Module):
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
-                 shard_policy: Callable[[nn.Module], bool] = linear_or_embedding, prefetch: int = 1,
-                 gather: str | Callable[[nn.Module], bool] = "layer"):
+                 shard_policy: Callable[[nn.Module], bool] = linear_or_embedding, prefetch: int = DEFAULT_PREFETCH,
+                 gather: Gather | str | Callable[[nn.Module], bool] = DEFAULT_GATHER):
         check_prefetch(prefetch)
-        check_gather(gather)
+        gather = gather if callable(gather) else Gather(gather)
         super().__init__()
         self.module, self.compute_dtype, self.prefetch = module, compute_dtype, prefetch
         self.world_size = dist.get_world_size()
@@ -409,10 +422,9 @@ def _saved_units(group: _Group) -> list[_Unit]:
     return [unit for unit in group.units if unit.saved > 0]
 
 
-def get_fsdp(module: nn.Module, compute_dtype: torch.dtype | None = None, prefetch: int = 1,
-             gather: str | Callable[[nn.Module], bool] = "layer") -> FSDP:
-    """The course's adapter: `module` wrapped in FSDP."""
-    return FSDP(module, compute_dtype, prefetch=prefetch, gather=gather)
+def get_fsdp(module: nn.Module, compute_dtype: torch.dtype | None = None, **levers) -> FSDP:
+    """The course's adapter: `module` wrapped in FSDP (`levers`: FSDP's prefetch and gather)."""
+    return FSDP(module, compute_dtype, **levers)
 
 
 def fsdp_on_after_backward(model: FSDP, optimizer: torch.optim.Optimizer) -> None:

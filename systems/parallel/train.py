@@ -32,7 +32,7 @@ from systems.model import ATTENTION_BACKENDS, PRESETS, TransformerConfig, Transf
 from systems.optim import AdamW, ShardedOptimizer
 from systems.parallel import ddp
 from systems.parallel.ddp import check_bucket_size, make_ddp
-from systems.parallel.fsdp import FSDP, GATHERS, check_prefetch
+from systems.parallel.fsdp import DEFAULT_GATHER, DEFAULT_PREFETCH, FSDP, Gather, check_prefetch
 from systems.parallel.meters import PeakMemory, PhaseClock
 from systems.parallel.ranks import init_from_env, rank_device
 from systems.precision import PRECISIONS, Precision, get_precision
@@ -64,15 +64,14 @@ class TrainSpec:
     checkpoint: tuple[int, ...] = ()
     loss_chunk: int | None = None
     attention: str = "sdpa"
-    fsdp_prefetch: int = 1  # our FSDP's all-gathers in flight ahead of the computing layer (variant fsdp)
-    fsdp_gather: str = "block"  # our FSDP's collectives: one per layer's weight, or one per block (fsdp.GATHERS)
+    fsdp_prefetch: int = DEFAULT_PREFETCH  # our FSDP's all-gathers in flight ahead of the computing layer
+    fsdp_gather: Gather = DEFAULT_GATHER  # our FSDP's collectives: one per layer's weight, or one per block
 
     def __post_init__(self):
         for field, value, choices in (("preset", self.preset, PRESETS), ("variant", self.variant, VARIANTS),
                                       ("optimizer", self.optimizer, OPTIMIZERS),
                                       ("precision", self.precision, PRECISIONS),
-                                      ("attention", self.attention, ATTENTION_BACKENDS),
-                                      ("fsdp_gather", self.fsdp_gather, GATHERS)):
+                                      ("attention", self.attention, ATTENTION_BACKENDS)):
             if value not in choices:
                 raise ValueError(f"unknown {field} {value!r}; choose from {list(choices)}")
         if self.variant in SHARDED and self.optimizer != "adamw":
@@ -81,6 +80,7 @@ class TrainSpec:
             raise ValueError("torch's DistributedDataParallel needs a bucket size")
         check_bucket_size(self.bucket_size_mb)
         check_prefetch(self.fsdp_prefetch)
+        object.__setattr__(self, "fsdp_gather", Gather(self.fsdp_gather))
         if min(self.batch_size, self.context, self.steps) < 1 or self.warmup < 0:
             raise ValueError("batch_size, context and steps must be positive and warmup non-negative")
         self.config()  # checks the levers
