@@ -1,7 +1,8 @@
 """All-reduce time and bandwidth over backends, float32 tensor sizes and numbers of ranks.
 
-The grid comes from the command line (conftest.py): --allreduce-backends (gloo on CPU tensors,
-nccl with one GPU per rank), --allreduce-sizes-mb, --world-sizes, --rounds. Two figures per point:
+The grid comes from the command line (systems.bench.options): --allreduce-backends (gloo on CPU tensors,
+nccl with one GPU per rank), --allreduce-sizes-mb, --world-sizes, --rounds. Two figures per point
+(systems.bench.schema.AllReduceMeasured):
 
 - per call (`latency_s`, `latency_busbw_gbps`): one all-reduce at a time, started together after a
   barrier and ended by a device synchronize. Mostly latency at small sizes.
@@ -28,12 +29,13 @@ import functools
 import statistics
 import time
 
-import pytest
 import torch
 import torch.distributed as dist
 
-from systems.bench.schema import POINT, AllReducePoint
-from systems.bench.timing import record_timings
+from systems.bench.leases import on_gpus
+from systems.bench.options import grid_of, points_or_usage_error
+from systems.bench.schema import AllReduceMeasured, AllReducePoint
+from systems.bench.timing import record_measured, record_point, record_timings
 from systems.device import synchronize
 from systems.parallel.ranks import rank_device
 
@@ -43,10 +45,11 @@ LOOP_CALLS = 20  # all-reduces per back-to-back round: nccl-tests' default (-n 2
 
 def pytest_generate_tests(metafunc):
     if "point" in metafunc.fixturenames:
-        opt = metafunc.config.getoption
-        points = [AllReducePoint(backend, world_size, size_mb) for backend in opt("allreduce_backends")
-                  for world_size in opt("world_sizes") if world_size > 1 for size_mb in opt("allreduce_sizes_mb")]
-        metafunc.parametrize("point", points, ids=str)
+        grid = grid_of(metafunc.config)
+        points = [AllReducePoint(backend, world_size, size_mb) for backend in grid.allreduce_backends
+                  for world_size in grid.world_sizes if world_size > 1 for size_mb in grid.allreduce_sizes_mb]
+        points_or_usage_error(points, "test_allreduce", "--world-sizes", "an all-reduce needs 2 ranks or more")
+        metafunc.parametrize("point", [on_gpus(p, p.world_size if p.backend == "nccl" else 0) for p in points])
 
 
 def time_all_reduce(size_mb: float, rounds: int) -> list[dict]:
@@ -102,22 +105,19 @@ def across_ranks(rank_seconds: list[list[float]]) -> tuple[float, float]:
     return statistics.mean(medians), max(medians) - min(medians)
 
 
-def test_allreduce(benchmark, point, rank_pools, request, skip_on_oom):
-    if point.backend == "nccl" and point.world_size > torch.cuda.device_count():
-        pytest.skip(f"needs {point.world_size} GPUs, found {torch.cuda.device_count()}")
+def test_allreduce(benchmark, point, rank_pools, grid, skip_on_oom):
     benchmark.group = f"allreduce-{point.backend}-{point.world_size}ranks"
-    rounds = request.config.getoption("rounds")
-    benchmark.extra_info[POINT] = point.to_dict()
+    record_point(benchmark, point)
     with skip_on_oom:
-        ranks = rank_pools.run(point.world_size, point.backend, time_all_reduce, point.size_mb, rounds)[0]
+        ranks = rank_pools.run(point.world_size, point.backend, time_all_reduce, point.size_mb, grid.rounds)[0]
     record_timings(benchmark, [rank["loop_seconds"] for rank in ranks])
     nbytes = int(point.size_mb * 2**20) // 4 * 4
     latency, latency_spread = across_ranks([rank["latency_seconds"] for rank in ranks])
     loop, loop_spread = across_ranks([rank["loop_seconds"] for rank in ranks])
     bare = statistics.mean(rank["bare_seconds"] for rank in ranks)
     busbw = functools.partial(bus_bandwidth_gbps, nbytes, world_size=point.world_size)
-    benchmark.extra_info.update(
-        bytes=nbytes, warmup_calls=WARMUP_CALLS, rounds=rounds, loop_calls=LOOP_CALLS,
+    record_measured(benchmark, AllReduceMeasured(
+        bytes=nbytes, warmup_calls=WARMUP_CALLS, rounds=grid.rounds, loop_calls=LOOP_CALLS,
         latency_s=latency, latency_spread_s=latency_spread, latency_busbw_gbps=busbw(latency),
         loop_time_s=loop, loop_spread_s=loop_spread, algbw_gbps=nbytes / loop / 1e9, busbw_gbps=busbw(loop),
-        bare_time_s=bare, bare_busbw_gbps=busbw(bare), loop_vs_bare=bare / loop)
+        bare_time_s=bare, bare_busbw_gbps=busbw(bare), loop_vs_bare=bare / loop))

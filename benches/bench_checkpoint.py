@@ -1,11 +1,11 @@
 """Activation checkpointing: a training step's time and peak memory for each scheme, and the longest context at
 which a preset trains.
 
-The grid comes from the command line (conftest.py): --presets, --contexts, --precisions, --batch-size,
---attention, --checkpoint-blocks (one-level segment sizes), --checkpoint (none, nested), --max-context,
---warmup-steps, --rounds. Each step point's extra_info holds its segment sizes, the measured peak beside the
-accounting's prediction, and activation memory (the peak less what the step holds before it starts: weights,
-buffers and AdamW state), measured and predicted. A point that runs out of memory is recorded as such.
+The grid comes from the command line (systems.bench.options): --presets, --edition, --contexts, --precisions,
+--batch-size, --attention, --checkpoint (none, everyK, KxK, nested), --max-context, --warmup-steps, --rounds.
+Each step point measures (systems.bench.schema.CheckpointMeasured) its segment sizes, the measured peak beside
+the accounting's prediction, and activation memory (the peak less what the step holds before it starts:
+weights, buffers and AdamW state), measured and predicted. A point that runs out of memory is recorded as such.
 """
 
 from __future__ import annotations
@@ -16,37 +16,31 @@ import pytest
 import torch
 
 from systems.accounting import checkpoint_levels, flops, largest_context, model_state, peak_memory, recomputed_flops
-from systems.bench.schema import POINT, CheckpointPoint, ContextSearchPoint
-from systems.bench.timing import record_throughput, time_on_device
+from systems.bench.options import grid_of
+from systems.bench.schema import CheckpointMeasured, CheckpointPoint, ContextSearchMeasured, ContextSearchPoint
+from systems.bench.schema.records import to_record
+from systems.bench.timing import Timing, record_measured, record_point, throughput, time_on_device
 from systems.device import synchronize
 from systems.model import TransformerConfig, get_config
 from systems.optim import AdamW
-from systems.precision import Precision, get_precision
+from systems.precision import Precision
 from systems.step import make_model, random_batch, train_step
 
 MiB = 2**20
 
 
-def schemes(config) -> list[tuple[str, int | None]]:
-    """No checkpointing first (the others compare with it), then one level of each segment size, then nested."""
-    chosen = config.getoption("checkpoint")
-    return ([("none", None)] * ("none" in chosen) + [("blocks", k) for k in config.getoption("checkpoint_blocks")]
-            + [("nested", None)] * ("nested" in chosen))
-
-
 def pytest_generate_tests(metafunc):
-    opt = metafunc.config.getoption
-    common = [(preset, precision) for preset in opt("presets") for precision in map(get_precision, opt("precisions"))]
+    grid = grid_of(metafunc.config)
+    common = [(preset, precision) for preset in grid.presets for precision in grid.precisions]
     if "point" in metafunc.fixturenames:
         metafunc.parametrize("point", [
-            CheckpointPoint(preset, opt("batch_size"), context, precision, opt("attention"), scheme, blocks)
-            for preset, precision in common for context in opt("contexts")
-            for scheme, blocks in schemes(metafunc.config)], ids=str)
+            CheckpointPoint(preset, grid.edition, grid.batch_size, context, precision, grid.attention, scheme)
+            for preset, precision in common for context in grid.contexts for scheme in grid.checkpoint], ids=str)
     if "search" in metafunc.fixturenames:
         metafunc.parametrize("search", [
-            ContextSearchPoint(preset, opt("batch_size"), precision, opt("attention"), scheme, blocks,
-                               opt("contexts")[0], opt("max_context"))
-            for preset, precision in common for scheme, blocks in schemes(metafunc.config)], ids=str)
+            ContextSearchPoint(preset, grid.edition, grid.batch_size, precision, grid.attention, scheme,
+                               grid.contexts[0], grid.max_context)
+            for preset, precision in common for scheme in grid.checkpoint], ids=str)
 
 
 @pytest.fixture(autouse=True)
@@ -61,46 +55,45 @@ def _free_memory():
 
 def point_config(point: CheckpointPoint | ContextSearchPoint, context: int, device: torch.device) -> TransformerConfig:
     config = get_config(point.preset, attention=point.attention, context_length=context)
-    levels = checkpoint_levels(point.scheme, config, point.batch, context, point.precision, blocks=point.blocks,
-                               attention=point.attention, device=device.type)
+    levels = checkpoint_levels(point.scheme, config, point.batch, context, point.precision, device=device.type)
     return get_config(point.preset, attention=point.attention, context_length=context, checkpoint=levels)
 
 
-def record_memory(benchmark, config: TransformerConfig, batch: int, precision: Precision, device) -> None:
-    """Measured (on a GPU) and predicted peak and activation memory, in MiB."""
-    state = model_state(config, precision).training
-    predicted = peak_memory(config, batch, config.context_length, precision, device=device.type).train_step
-    info = benchmark.extra_info
-    info.update(checkpoint=list(config.checkpoint), state_mb=state / MiB, predicted_peak_mb=predicted / MiB,
-                predicted_activation_mb=(predicted - state) / MiB)
-    if info.get("peak_memory_mb") is not None:
-        info["activation_mb"] = info["peak_memory_mb"] - state / MiB
-
-
-def time_steps(benchmark, config: TransformerConfig, batch: int, precision: Precision, device, request) -> None:
-    """Time AdamW training steps (the first warm-up step allocates the optimizer state) and record throughput:
-    model FLOPs for MFU, the recomputed forward apart."""
+def measure_steps(benchmark, config: TransformerConfig, batch: int, precision: Precision, device,
+                  grid) -> CheckpointMeasured:
+    """AdamW training steps timed (the first warm-up step allocates the optimizer state): throughput (model FLOPs
+    for MFU, the recomputed forward apart) and memory, measured (on a GPU) and predicted, in MiB."""
     model = make_model(config, device, precision)
     optimizer = AdamW(model.parameters(), lr=1e-4)
     tokens, targets = random_batch(config, batch, config.context_length, device)
-    opt = request.config.getoption
-    seconds = time_on_device(benchmark, lambda: train_step(model, optimizer, tokens, targets, precision),
-                             device=device, warmup=max(1, opt("warmup_steps")), rounds=opt("rounds"))
-    benchmark.extra_info.update(parameters=model.num_parameters(),
-                                recomputed_tflop=recomputed_flops(config, batch, config.context_length).forward / 1e12)
-    if seconds is not None:
-        benchmark.extra_info["tokens_per_s"] = batch * config.context_length / seconds
-        record_throughput(benchmark, seconds=seconds, flops=flops(config, batch, config.context_length).step,
-                          device=device, precision=precision)
+    timing = time_on_device(benchmark, lambda: train_step(model, optimizer, tokens, targets, precision),
+                            device=device, warmup=max(1, grid.warmup_steps), rounds=grid.rounds)
+    return memory_measured(config, batch, precision, device, timing, model.num_parameters())
 
 
-def test_checkpoint(benchmark, point, device, request, skip_on_oom):
+def memory_measured(config: TransformerConfig, batch: int, precision: Precision, device, timing: Timing,
+                    parameters: int) -> CheckpointMeasured:
+    state = model_state(config, precision).training / MiB
+    predicted = peak_memory(config, batch, config.context_length, precision, device=device.type).train_step / MiB
+    seconds, peak = timing.seconds, timing.peak_memory_mb
+    step_flops = flops(config, batch, config.context_length).step
+    return CheckpointMeasured(
+        levels=config.checkpoint, parameters=parameters, state_mb=state, predicted_peak_mb=predicted,
+        predicted_activation_mb=predicted - state, peak_memory_mb=peak,
+        activation_mb=None if peak is None else peak - state,
+        recomputed_tflop=recomputed_flops(config, batch, config.context_length).forward / 1e12,
+        tokens_per_s=None if seconds is None else batch * config.context_length / seconds,
+        throughput=None if seconds is None else throughput(seconds=seconds, flops=step_flops, device=device,
+                                                           precision=precision),
+        config=to_record(config))
+
+
+def test_checkpoint(benchmark, point, device, grid, skip_on_oom):
     benchmark.group = f"checkpoint-{str(point).rsplit('-', 1)[0]}"  # the point but its scheme
-    benchmark.extra_info[POINT] = point.to_dict()
+    record_point(benchmark, point)
     config = point_config(point, point.context, device)
     with skip_on_oom:
-        time_steps(benchmark, config, point.batch, point.precision, device, request)
-    record_memory(benchmark, config, point.batch, point.precision, device)
+        record_measured(benchmark, measure_steps(benchmark, config, point.batch, point.precision, device, grid))
 
 
 def trains(point: ContextSearchPoint, context: int, device: torch.device) -> bool:
@@ -124,19 +117,18 @@ def two_steps(config: TransformerConfig, batch: int, precision: Precision, devic
     synchronize(device)
 
 
-def test_largest_context(benchmark, search, device, request, skip_on_oom):
+def test_largest_context(benchmark, search, device, grid, skip_on_oom):
     """Double the context from `start` until a step runs out of memory (the first that does is recorded) or
     reaches `limit`; then time steps at the longest that trained. The accounting's longest is beside it."""
     benchmark.group = f"largest-context-{search.preset}-b{search.batch}-{search.precision.name}-{search.attention}"
-    benchmark.extra_info[POINT] = search.to_dict()
+    record_point(benchmark, search)
     longest, context = None, search.start
     while context <= search.limit and trains(search, context, device):
         longest, context = context, 2 * context
-    first_oom = context if context <= search.limit else None
-    benchmark.extra_info.update(largest_context=longest, first_oom_context=first_oom)
     config = point_config(search, longest or search.start, device)
-    benchmark.extra_info["predicted_largest_context"] = largest_context(
-        config, search.batch, search.precision, device=device.type)
     with skip_on_oom:  # even the first context ran out of memory: timing it records that
-        time_steps(benchmark, config, search.batch, search.precision, device, request)
-    record_memory(benchmark, config, search.batch, search.precision, device)
+        at_longest = measure_steps(benchmark, config, search.batch, search.precision, device, grid)
+    record_measured(benchmark, ContextSearchMeasured(
+        largest_context=longest, first_oom_context=context if context <= search.limit else None,
+        predicted_largest_context=largest_context(config, search.batch, search.precision, device=device.type),
+        at_longest=at_longest))

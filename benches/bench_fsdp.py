@@ -3,77 +3,69 @@
 The issue's point on 2 x H200: `--fsdp-preset xl --contexts 512 --precisions bf16 --batch-size 16`. The CPU
 default is the tiny preset on 2 gloo ranks. `--fsdp-prefetch 1,2,5` sweeps how many all-gathers our FSDP keeps
 in flight ahead of the computing layer, and `--fsdp-gather layer,block` what one of its collectives covers
-(the other variants run once). Each point trains through
-systems.parallel.train.train in spawned ranks (bench_ddp's machinery: the ranks time their steps,
-pytest-benchmark's rounds are those steps), with the variant's own sharding: bf16 means bf16 compute, fp32
-master weights (autocast for one process and DDP; weights cast before the all-gathers for FSDP and FSDP2, with
-gradients reduce-scattered in bf16).
+(the other variants run once). Each point trains through systems.parallel.train.train in spawned ranks
+(systems.bench.training: the ranks time their steps, pytest-benchmark's rounds are those steps), with the
+variant's own sharding: bf16 means bf16 compute, fp32 master weights (autocast for one process and DDP; weights
+cast before the all-gathers for FSDP and FSDP2, with gradients reduce-scattered in bf16).
 
-extra_info: the step and its phases in seconds (bench_ddp's), `gather_wait_s` for our FSDP (the time the
-compute stream waited on all-gathers, CUDA events around the waits: the all-gathers prefetch did not hide),
-peak memory per rank (`memory_*_mb`, the largest rank's) beside `predicted_peak_mb`
-(systems.accounting.fsdp_memory for our FSDP; systems.accounting.peak_memory for one process and DDP),
-`peak_gathered_mb` (the gathered weights our FSDP held at once), `vs_single`, and on a GPU
-`breakdown_per_rank`: one more step profiled for where its GPU time went (systems.bench.breakdown: matmuls,
-attention, communication and the part of it not hidden, the optimizer, GPU idle as `span_s - busy_s`).
-nsys shows whether the all-gathers finish in time: every all-gather and reduce-scatter is an NVTX range
-named after its weight (`nsys profile -t cuda,nvtx,nccl ...`).
+A point measures (systems.bench.schema.FSDPMeasured) the step and its phases, `gather_wait_s` for our FSDP (the
+time the compute stream waited on all-gathers, CUDA events around the waits: the all-gathers prefetch did not
+hide), peak memory per rank (the largest rank's) beside the accounting's prediction (fsdp_memory for our FSDP,
+peak_memory for one process and DDP), the gathered weights our FSDP held at once, and on a GPU one more step
+profiled per rank for where its GPU time went (systems.bench.breakdown). nsys shows whether the all-gathers
+finish in time: every all-gather and reduce-scatter is an NVTX range named after its weight
+(`nsys profile -t cuda,nvtx,nccl ...`).
 """
 
 from __future__ import annotations
 
-from bench_ddp import (BACKEND, mean_of_medians, predicted_peak_mb, record_breakdown, record_memory, spec_for,
-                       step_breakdown, train_in_ranks)
+import itertools
 
-from systems.accounting import flops
-from systems.bench.schema import FSDP_TIMINGS, FSDP_VARIANTS, POINT, FSDPPoint, seconds_key
-from systems.bench.timing import record_throughput
-from systems.precision import get_precision
+from systems.bench.options import grid_of, points_or_usage_error
+from systems.bench.schema import FSDP_VARIANTS, FSDPMeasured, FSDPPoint
+from systems.bench.timing import record_measured, record_point
+from systems.bench.training import (breakdowns, gathered_mb, on_rank_gpus, predicted_peak_mb, spec_for,
+                                    step_breakdown, train_in_ranks, training_measured)
+from systems.parallel.spec import Variant
 
 DDP_BUCKET_MB = 100.0
-_step_seconds: dict[tuple, float] = {}  # the point with variant "single" -> its step seconds
 
 
-def fsdp_grid(config) -> list[FSDPPoint]:
-    """Every variant once per shape, ours at each --fsdp-prefetch depth and --fsdp-gather group."""
-    opt = config.getoption
-    return [FSDPPoint(variant, opt("fsdp_preset"), get_precision(precision), context, opt("batch_size"),
-                      1 if variant == "single" else world_size, prefetch, gather)
-            for precision in opt("precisions") for context in opt("contexts")
-            for world_size in (n for n in opt("world_sizes") if n > 1) for variant in FSDP_VARIANTS
-            for gather in (opt("fsdp_gather") if variant == "fsdp" else ["layer"])
-            for prefetch in (opt("fsdp_prefetch") if variant == "fsdp" else [1])]
+def fsdp_grid(grid) -> list[FSDPPoint]:
+    """Per shape: one process, then every variant on each world size, ours at each gather and prefetch depth."""
+    points = []
+    for precision in grid.precisions:
+        for context in grid.contexts:
+            def point(variant: Variant, world_size: int, gather=None, prefetch=None) -> FSDPPoint:
+                return FSDPPoint(variant, grid.fsdp_preset, grid.edition, precision, grid.batch_size, context,
+                                 world_size, gather, prefetch)
+
+            multi_rank = [n for n in grid.world_sizes if n > 1]
+            points += [point(Variant.SINGLE, 1)] if multi_rank else []
+            for world_size in multi_rank:
+                for variant in FSDP_VARIANTS[1:]:
+                    ours = itertools.product(grid.fsdp_gather, grid.fsdp_prefetch)
+                    points += [point(variant, world_size, *levers) for levers in
+                               (ours if variant == Variant.FSDP else [(None, None)])]
+    return points_or_usage_error(points, "test_fsdp_step", "--world-sizes", "FSDP needs 2 ranks or more")
 
 
 def pytest_generate_tests(metafunc):
     if "fsdp_point" in metafunc.fixturenames:
-        metafunc.parametrize("fsdp_point", list(dict.fromkeys(fsdp_grid(metafunc.config))), ids=str)
+        metafunc.parametrize("fsdp_point", on_rank_gpus(fsdp_grid(grid_of(metafunc.config))))
 
 
-def test_fsdp_step(benchmark, fsdp_point, rank_pools, request, device, skip_on_oom):
+def test_fsdp_step(benchmark, fsdp_point, rank_pools, grid, device, skip_on_oom):
     point = fsdp_point
     benchmark.group = f"fsdp-step-{point.preset}-{point.precision.name}-ctx{point.context}"
-    spec = spec_for(request, preset=point.preset, variant=point.variant, precision=point.precision.name,
-                    bucket_size_mb=DDP_BUCKET_MB if point.variant == "bucketed" else 25.0,
-                    batch_size=point.batch_size, context=point.context, fsdp_prefetch=point.prefetch,
-                    fsdp_gather=point.gather)
-    info = benchmark.extra_info
-    info[POINT] = point.to_dict()
+    levers = {} if point.variant != Variant.FSDP else dict(fsdp_prefetch=point.prefetch, fsdp_gather=point.gather)
+    spec = spec_for(grid, preset=point.preset, variant=point.variant, precision=point.precision,
+                    bucket_size_mb=DDP_BUCKET_MB if point.variant == Variant.BUCKETED else 25.0,
+                    batch_size=point.batch, context=point.context, **levers)
+    record_point(benchmark, point)
     with skip_on_oom:
         ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec, step_breakdown)
-    info.update(backend=BACKEND, **{seconds_key(t): mean_of_medians(ranks, t) for t in FSDP_TIMINGS
-                                    if t in ranks[0]["seconds"]})
-    step = info[seconds_key("step")]
-    info["tokens_per_s"] = point.world_size * point.batch_size * point.context / step
-    record_throughput(benchmark, seconds=step, flops=flops(spec.config(), point.batch_size, point.context).step,
-                      device=device, precision=point.precision)
-    record_memory(benchmark, ranks)
-    record_breakdown(benchmark, ranks)
-    info["predicted_peak_mb"] = predicted_peak_mb(spec, point.world_size, device)
-    if "peak_gathered_bytes" in ranks[0]:
-        info["peak_gathered_mb"] = max(rank["peak_gathered_bytes"] for rank in ranks) / 2**20
-    shape = point.precision, point.context, point.batch_size
-    if point.variant == "single":
-        _step_seconds[shape] = step
-    elif shape in _step_seconds:
-        info["vs_single"] = step / _step_seconds[shape]
+    record_measured(benchmark, FSDPMeasured(
+        **training_measured(spec, ranks, point.world_size, device),
+        predicted_peak_mb=predicted_peak_mb(spec, point.world_size, device), peak_gathered_mb=gathered_mb(ranks),
+        breakdown_per_rank=breakdowns(ranks)))

@@ -8,17 +8,17 @@ The issue's point on 2 x H200 (one sequence per GPU, batch 2 in all):
 
 The CPU default is the same shape made tiny (`leaderboard-2026-tiny`, context 128) on 2 gloo ranks, so CI runs
 the code path in seconds. Levers: --fullstep-variant (default our FSDP, whose optimizer is systems AdamW,
-fused on CUDA), --checkpoint-blocks (segments of k blocks recomputed in the backward; empty: none), --loss
-(chunked, --loss-chunk tokens at a time, or full) and --attention (naive, sdpa, flash).
+fused on CUDA), --checkpoint (none, everyK, KxK, nested), --loss-chunk (tokens at a time, or full), --attention
+(naive, sdpa, flash), and our FSDP's --fsdp-gather and --fsdp-prefetch.
 
-Each point trains through systems.parallel.train.train in spawned ranks (bench_ddp's machinery):
+Each point trains through systems.parallel.train.train in spawned ranks (systems.bench.training):
 pytest-benchmark's rounds are its timed steps, as long as their slowest rank. On a GPU each rank then times
-more whole steps with `triton.testing.do_bench` (median), as the leaderboard does. extra_info: the step and
-its phases (bench_ddp's), `do_bench_s`, TFLOP/s and MFU per GPU against model FLOPs (Flops.flash_step: the
-leaderboard's count, recomputation left out), tokens/s, peak memory per rank (`peak_memory_mb_per_rank`) beside
-the largest rank's prediction (`predicted_peak_mb`: systems.accounting.fsdp_memory for our FSDP) and
-`cold_start_s`: from this pytest process's start to the end of the point's timed job. For a cold run as the
-leaderboard's, give it an empty TRITON_CACHE_DIR and run this point alone.
+more whole steps with `triton.testing.do_bench` (median), as the leaderboard does. A point measures
+(systems.bench.schema.FullStepMeasured) the step and its phases, `do_bench_s`, TFLOP/s and MFU per GPU against
+model FLOPs (Flops.flash_step: the leaderboard's count, recomputation left out), tokens/s, peak memory per rank
+beside the largest rank's prediction (systems.accounting.fsdp_memory for our FSDP) and `cold_start_s`: from
+this pytest process's start to the end of the point's timed job. For a cold run as the leaderboard's, give it an
+empty TRITON_CACHE_DIR and run this point alone.
 
 `breakdown_per_rank` says where each rank's GPU time went in one profiled step (systems.bench.breakdown:
 matmuls, attention forward and backward, communication and the part of it not hidden, the optimizer, the loss,
@@ -30,39 +30,39 @@ recomputation). nsys splits the step by the same ranges: `forward`, `backward`, 
 
 from __future__ import annotations
 
+import itertools
 import os
 import pathlib
 
 import torch
 import torch.distributed as dist
-from bench_ddp import (BACKEND, mean_of_medians, predicted_peak_mb, record_breakdown, record_memory, spec_for,
-                       step_breakdown, train_in_ranks)
 
 from systems.accounting import flops, recomputed_flops
-from systems.bench.schema import FSDP_TIMINGS, POINT, FullStepPoint, seconds_key
-from systems.bench.timing import record_throughput
-from systems.parallel.train import TrainSpec
-from systems.precision import get_precision
+from systems.bench.options import grid_of
+from systems.bench.schema import FullStepMeasured, FullStepPoint
+from systems.bench.timing import record_measured, record_point
+from systems.bench.training import (breakdowns, gathered_mb, on_rank_gpus, predicted_peak_mb, spec_for,
+                                    step_breakdown, train_in_ranks, training_measured)
+from systems.parallel.spec import TrainSpec, Variant
 
 # do_bench runs as many steps as fit in its time budgets, as each rank measures them; every rank must run the
 # same number (a step is collectives), so the budgets sit halfway between step counts of the agreed step time.
 DO_BENCH_WARMUP, DO_BENCH_REPEATS = 1, 3
 
 
-def fullstep_grid(config) -> list[FullStepPoint]:
-    opt = config.getoption
-    chunk = opt("loss_chunk") if opt("loss") == "chunked" else None
-    variant = opt("fullstep_variant")
-    return [FullStepPoint(variant, opt("fullstep_preset"), get_precision(precision), context, opt("batch_size"),
-                          1 if variant == "single" else world_size, opt("attention"), blocks, chunk, gather)
-            for precision in opt("precisions") for context in opt("contexts") for world_size in opt("world_sizes")
-            for blocks in opt("checkpoint_blocks") or [None]
-            for gather in (opt("fsdp_gather") if variant == "fsdp" else ["layer"])]
+def fullstep_grid(grid) -> list[FullStepPoint]:
+    variant = grid.fullstep_variant
+    ours = itertools.product(grid.fsdp_gather, grid.fsdp_prefetch) if variant == Variant.FSDP else [(None, None)]
+    world_sizes = [1] if variant == Variant.SINGLE else grid.world_sizes
+    return [FullStepPoint(variant, grid.fullstep_preset, grid.edition, precision, grid.batch_size, context,
+                          world_size, grid.attention, checkpoint, grid.loss_chunk, gather, prefetch)
+            for precision in grid.precisions for context in grid.contexts for world_size in world_sizes
+            for checkpoint in grid.checkpoint for gather, prefetch in ours]
 
 
 def pytest_generate_tests(metafunc):
     if "fullstep_point" in metafunc.fixturenames:
-        metafunc.parametrize("fullstep_point", list(dict.fromkeys(fullstep_grid(metafunc.config))), ids=str)
+        metafunc.parametrize("fullstep_point", on_rank_gpus(fullstep_grid(grid_of(metafunc.config))))
 
 
 def leaderboard_timing(model, step) -> dict:
@@ -101,36 +101,30 @@ def seconds_since_process_start() -> float | None:
     return uptime - int(stat[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in clock ticks after boot
 
 
-def spec_of(point: FullStepPoint, request) -> TrainSpec:
-    return spec_for(request, preset=point.preset, variant=point.variant, precision=point.precision.name,
-                    batch_size=point.batch_size, context=point.context, attention=point.attention,
-                    checkpoint=() if point.checkpoint_blocks is None else (point.checkpoint_blocks,),
-                    loss_chunk=point.loss_chunk, fsdp_gather=point.gather)
+def spec_of(point: FullStepPoint, grid) -> TrainSpec:
+    levers = {} if point.variant != Variant.FSDP else dict(fsdp_prefetch=point.prefetch, fsdp_gather=point.gather)
+    return spec_for(grid, preset=point.preset, variant=point.variant, precision=point.precision,
+                    batch_size=point.batch, context=point.context, attention=point.attention,
+                    checkpoint=point.checkpoint, loss_chunk=point.loss_chunk, **levers)
 
 
-def test_fullstep(benchmark, fullstep_point, rank_pools, request, device, skip_on_oom):
+def test_fullstep(benchmark, fullstep_point, rank_pools, grid, device, skip_on_oom):
     point = fullstep_point
     benchmark.group = f"fullstep-{point.preset}-{point.precision.name}-ctx{point.context}"
-    spec = spec_of(point, request)
-    info = benchmark.extra_info
-    info[POINT] = point.to_dict()
+    spec = spec_of(point, grid)
+    record_point(benchmark, point)
     with skip_on_oom:
         ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec, leaderboard_timing)
-    info["cold_start_s"] = seconds_since_process_start()
-    info.update(backend=BACKEND, **{seconds_key(t): mean_of_medians(ranks, t) for t in FSDP_TIMINGS
-                                    if t in ranks[0]["seconds"]})
-    step = info[seconds_key("step")]
-    if "do_bench_s" in ranks[0]:
-        info["do_bench_s"] = max(rank["do_bench_s"] for rank in ranks)
-        step = info["do_bench_s"]
-    info["tokens_per_s"] = point.world_size * point.batch_size * point.context / step
-    config = spec.config()
-    model = flops(config, point.batch_size, point.context)
-    info.update(step_pflop=point.world_size * model.flash_step / 1e15,
-                recomputed_tflop=recomputed_flops(config, point.batch_size, point.context).forward / 1e12)
-    record_throughput(benchmark, seconds=step, flops=model.flash_step, device=device, precision=point.precision)
-    record_memory(benchmark, ranks)
-    record_breakdown(benchmark, ranks)
-    info["predicted_peak_mb"] = predicted_peak_mb(spec, point.world_size, device)
-    if "memory_mb" in ranks[0]:
-        info["peak_memory_mb_per_rank"] = [max(rank["memory_mb"].values()) for rank in ranks]
+    cold_start = seconds_since_process_start()
+    do_bench = max(rank["do_bench_s"] for rank in ranks) if "do_bench_s" in ranks[0] else None
+    config = spec.config(device.type)
+    model = flops(config, point.batch, point.context)
+    measured = training_measured(spec, ranks, point.world_size, device, step_seconds=do_bench,
+                                 step_flops=model.flash_step)
+    peaks = [max(rank["memory_mb"].values()) for rank in ranks] if "memory_mb" in ranks[0] else None
+    record_measured(benchmark, FullStepMeasured(
+        **measured, predicted_peak_mb=predicted_peak_mb(spec, point.world_size, device),
+        peak_gathered_mb=gathered_mb(ranks), breakdown_per_rank=breakdowns(ranks), do_bench_s=do_bench, cold_start_s=cold_start,
+        step_pflop=point.world_size * model.flash_step / 1e15,
+        recomputed_tflop=recomputed_flops(config, point.batch, point.context).forward / 1e12,
+        peak_memory_mb_per_rank=peaks))

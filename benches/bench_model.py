@@ -1,13 +1,14 @@
 """End-to-end model benchmarks: forward, backward, forward+backward and a full AdamW training step.
 
-The grid comes from the command line (conftest.py): --presets, --contexts, --precisions,
---compile-contexts, --compile-mode, --batch-size, --attention, --warmup-steps, --rounds. Each point's
-extra_info holds the parameter count, tokens/s, TFLOP/s, MFU (on a GPU with a known peak) and
+The grid comes from the command line (systems.bench.options): --presets, --edition, --contexts, --precisions,
+--compile-contexts, --compile-mode, --batch-size, --attention, --warmup-steps, --rounds. Each point measures
+(systems.bench.schema.ModelMeasured) the parameter count, tokens/s, TFLOP/s, MFU (on a GPU with a known peak) and
 peak memory; a point that runs out of GPU memory is recorded as such and the run goes on.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import pathlib
 
@@ -15,63 +16,72 @@ import pytest
 import torch
 
 from systems.accounting import flops
-from systems.bench.schema import MODEL_PHASES, POINT, ModelPoint
-from systems.bench.timing import record_throughput, time_on_device
+from systems.bench.options import grid_of
+from systems.bench.schema import MODEL_PHASES, ModelMeasured, ModelPoint, WarmupMeasured, WarmupPoint, to_record
+from systems.bench.timing import record_measured, record_point, throughput, time_on_device
 from systems.model import TransformerLM, get_config
 from systems.optim import AdamW
-from systems.precision import get_precision
 from systems.step import backward, forward_loss, make_model, random_batch, train_step
 
 WARMUP_STUDY = (0, 1, 2, 5)
 SNAPSHOT_PHASES = ("forward", "step")
 
 
-def model_grid(config, phases: tuple[str, ...]) -> list[ModelPoint]:
+def model_grid(grid, phases: tuple[str, ...]) -> list[ModelPoint]:
     """Presets outermost so each model is built once per weight dtype; compiled points after the eager ones."""
-    opt = config.getoption
     points = []
-    for preset in opt("presets"):
-        for compile, contexts in (("eager", opt("contexts")), (opt("compile_mode"), opt("compile_contexts"))):
-            for precision in map(get_precision, opt("precisions")):
-                points += [ModelPoint(preset, context, precision, compile, phase)
-                           for context in contexts for phase in phases]
+    for preset in grid.presets:
+        for compile, contexts in (("eager", grid.contexts), (grid.compile_mode, grid.compile_contexts)):
+            for precision in grid.precisions:
+                points += [ModelPoint(preset, grid.edition, grid.batch_size, context, precision, grid.attention,
+                                      compile, phase) for context in contexts for phase in phases]
     return points
 
 
+def warmup_points(grid) -> list[WarmupPoint]:
+    """The first preset, context and precision of the grid, after each number of warm-up steps."""
+    return [WarmupPoint(grid.presets[0], grid.edition, grid.batch_size, grid.contexts[0], grid.precisions[0],
+                        grid.attention, warmup) for warmup in WARMUP_STUDY]
+
+
 def pytest_generate_tests(metafunc):
+    grid = grid_of(metafunc.config)
     for name, phases in (("point", MODEL_PHASES), ("snapshot_point", SNAPSHOT_PHASES)):
         if name in metafunc.fixturenames:
-            metafunc.parametrize(name, model_grid(metafunc.config, phases), ids=str)
+            metafunc.parametrize(name, model_grid(grid, phases), ids=str)
+    if "warmup_point" in metafunc.fixturenames:
+        metafunc.parametrize("warmup_point", warmup_points(grid), ids=str)
 
 
 class ModelCache:
     """Holds one model at a time: the largest presets only fit on the GPU alone."""
 
-    def __init__(self, device: torch.device, attention: str, context_length: int):
-        self.device, self.attention, self.context_length = device, attention, context_length
+    def __init__(self, device: torch.device, context_length: int):
+        self.device, self.context_length = device, context_length
         self.key, self.model = None, None
 
     def get(self, point: ModelPoint) -> TransformerLM:
-        key = (point.preset, point.compile, point.precision.weights)
+        key = (point.preset, point.edition, point.attention, point.compile, point.precision.weights)
         if key != self.key:
             self.key, self.model = None, None
             gc.collect()
             torch.cuda.empty_cache()
             torch._dynamo.reset()
-            self.model = build_model(point, self.device, self.attention, self.context_length)
+            self.model = build_model(point, self.device, self.context_length, point.compile)
             self.key = key
         return self.model
 
 
-def build_model(point: ModelPoint, device, attention, context_length) -> TransformerLM:
-    config = get_config(point.preset, attention=attention, context_length=context_length)
+def build_model(point: ModelPoint | WarmupPoint, device, context_length, compile: str = "eager") -> TransformerLM:
+    """The point's model, its context long enough for every point of the grid (the RoPE tables' length)."""
+    config = get_config(point.preset, attention=point.attention, context_length=context_length)
     model = make_model(config, device, point.precision)
-    if point.compile == "regional":
+    if compile == "regional":
         # Block by block: identical blocks share one compiled graph, so compile time does not grow
         # with depth. Large models lose nothing by it.
         for block in model.blocks:
             block.compile(dynamic=False)
-    elif point.compile == "cudagraphs":
+    elif compile == "cudagraphs":
         # The whole model, replayed as CUDA graphs: small models are bound by kernel launches, and
         # only graph replay takes the CPU out of the step. Compile time grows with depth.
         model.compile(mode="reduce-overhead", dynamic=False)
@@ -79,22 +89,17 @@ def build_model(point: ModelPoint, device, attention, context_length) -> Transfo
 
 
 @pytest.fixture(scope="module")
-def models(request, device):
-    opt = request.config.getoption
-    longest = max(opt("contexts") + opt("compile_contexts"))
-    cache = ModelCache(device, opt("attention"), longest)
+def models(grid, device):
+    cache = ModelCache(device, max(grid.contexts + grid.compile_contexts))
     yield cache
     cache.model = None
     gc.collect()
     torch.cuda.empty_cache()
 
 
-def run_phase(benchmark, model, point, device, request) -> None:
-    """Time one phase of a training step and record its derived figures."""
-    batch_size = request.config.getoption("batch_size")
-    tokens, targets = random_batch(model.config, batch_size, point.context, device)
-    timing = dict(device=device, warmup=request.config.getoption("warmup_steps"),
-                  rounds=request.config.getoption("rounds"))
+def run_phase(benchmark, model, point: ModelPoint, device, grid) -> ModelMeasured:
+    """Time one phase of a training step; its measurements."""
+    tokens, targets = random_batch(model.config, point.batch, point.context, device)
     optimizer = AdamW(model.parameters(), lr=1e-4) if point.phase == "step" else None
 
     def zero_grad():
@@ -122,53 +127,46 @@ def run_phase(benchmark, model, point, device, request) -> None:
 
     fn, setup = {"forward": (forward, None), "backward": (backward, fresh_loss),
                  "forward_backward": (forward_backward, zero_grad), "step": (step, None)}[point.phase]
-    seconds = time_on_device(benchmark, fn, setup=setup, **timing)
+    timing = time_on_device(benchmark, fn, setup=setup, device=device, warmup=grid.warmup_steps, rounds=grid.rounds)
     model.zero_grad(set_to_none=True)
-    benchmark.extra_info.update(batch_size=batch_size, attention=model.config.attention,
-                                parameters=model.num_parameters())
-    if seconds is not None:
-        benchmark.extra_info["tokens_per_s"] = batch_size * point.context / seconds
-        counts = flops(model.config, batch_size, point.context)
-        phase_flops = {"forward": counts.forward, "backward": counts.backward}.get(point.phase, counts.step)
-        record_throughput(benchmark, seconds=seconds, flops=phase_flops, device=device,
-                          precision=point.precision)
+    measured = ModelMeasured(parameters=model.num_parameters(), tokens_per_s=None, throughput=None,
+                             peak_memory_mb=timing.peak_memory_mb, config=to_record(model.config))
+    if timing.seconds is None:  # --benchmark-disable: the phase ran once, untimed
+        return measured
+    counts = flops(model.config, point.batch, point.context)
+    phase_flops = {"forward": counts.forward, "backward": counts.backward}.get(point.phase, counts.step)
+    rate = throughput(seconds=timing.seconds, flops=phase_flops, device=device, precision=point.precision)
+    return dataclasses.replace(measured, tokens_per_s=point.batch * point.context / timing.seconds, throughput=rate)
 
 
-def test_warmup_study(benchmark, warmup, device, request, skip_on_oom):
+def test_warmup_study(benchmark, warmup_point, device, grid, skip_on_oom):
     """The same forward+backward timed after 0, 1, 2 and 5 warm-up steps, each on a fresh model.
 
     This runs first in the module, so warm-up 0 also pays for the process's first CUDA calls.
     """
-    opt = request.config.getoption
-    point = ModelPoint(opt("presets")[0], opt("contexts")[0], get_precision(opt("precisions")[0]), "eager",
-                       "forward_backward")
+    point = warmup_point
     benchmark.group = "warmup-study"
-    benchmark.extra_info[POINT] = point.to_dict()
+    record_point(benchmark, point)
     with skip_on_oom:
-        model = build_model(point, device, opt("attention"), point.context)
-        tokens, targets = random_batch(model.config, opt("batch_size"), point.context, device)
-        time_on_device(benchmark, lambda: backward(forward_loss(model, tokens, targets, point.precision)),
-                       device=device, warmup=warmup, rounds=opt("rounds"))
-    benchmark.extra_info["warmup_steps"] = warmup
+        model = build_model(point, device, point.context)
+        tokens, targets = random_batch(model.config, point.batch, point.context, device)
+        timing = time_on_device(benchmark, lambda: backward(forward_loss(model, tokens, targets, point.precision)),
+                                device=device, warmup=point.warmup_steps, rounds=grid.rounds)
+    record_measured(benchmark, WarmupMeasured(timing.peak_memory_mb, to_record(model.config)))
 
 
-@pytest.fixture(params=WARMUP_STUDY, ids=lambda w: f"warmup{w}")
-def warmup(request):
-    return request.param
-
-
-def test_model(benchmark, point, models, device, request, skip_on_oom):
+def test_model(benchmark, point, models, device, grid, skip_on_oom):
     benchmark.group = f"model-{point.phase}"
-    benchmark.extra_info[POINT] = point.to_dict()
+    record_point(benchmark, point)
     with skip_on_oom:
         model = models.get(point)
-        run_phase(benchmark, model, point, device, request)
+        record_measured(benchmark, run_phase(benchmark, model, point, device, grid))
 
 
 @pytest.mark.gpu
-def test_memory_snapshot(snapshot_point, models, device, request, skip_on_oom):
+def test_memory_snapshot(snapshot_point, models, device, grid, skip_on_oom):
     """With --memory-snapshot-dir, write a CUDA memory snapshot of one forward pass and of one step."""
-    out_dir = request.config.getoption("memory_snapshot_dir")
+    out_dir = grid.memory_snapshot_dir
     if out_dir is None:
         pytest.skip("pass --memory-snapshot-dir DIR to write memory snapshots")
     point = snapshot_point
@@ -176,7 +174,7 @@ def test_memory_snapshot(snapshot_point, models, device, request, skip_on_oom):
     path.parent.mkdir(parents=True, exist_ok=True)
     with skip_on_oom:
         model = models.get(point)
-        tokens, targets = random_batch(model.config, request.config.getoption("batch_size"), point.context, device)
+        tokens, targets = random_batch(model.config, point.batch, point.context, device)
         optimizer = AdamW(model.parameters(), lr=1e-4)
         train_step(model, optimizer, tokens, targets, point.precision)  # warm: optimizer state exists
         torch.cuda.synchronize()

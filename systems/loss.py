@@ -38,8 +38,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
 
     hidden: (..., d_model), weight: (vocab, d_model), targets: (...)."""
     _check_targets(targets)
-    if chunk < 1:
-        raise ValueError(f"chunk must be a positive number of tokens, got {chunk}")
+    check_chunk(chunk)
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     with torch.autocast(device, enabled=False):  # the casts are explicit, the same in the backward
@@ -88,6 +87,13 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def _chunks(tokens: int, chunk: int):
     for start in range(0, tokens, chunk):
         yield slice(start, min(start + chunk, tokens))
+
+
+def check_chunk(chunk: int) -> int:
+    """Tokens per chunk of the chunked cross-entropy: a positive whole number."""
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise ValueError(f"the loss chunk must be a positive whole number of tokens, got {chunk!r}")
+    return chunk
 
 
 def _check_targets(targets: torch.Tensor) -> None:

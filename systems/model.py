@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import enum
 import math
 from dataclasses import dataclass
 
@@ -19,12 +20,20 @@ from torch.utils.checkpoint import checkpoint
 
 from systems import attention
 from systems.device import nvtx_range
-from systems.loss import LMHead
+from systems.loss import LMHead, check_chunk
 
 
-# The systems.attention.BACKENDS a config may name: causal self-attention whose saved tensors
-# systems.accounting models.
-ATTENTION_BACKENDS = ("naive", "sdpa", "flash")
+class Attention(enum.StrEnum):
+    """The systems.attention.BACKENDS a config may name: causal self-attention whose saved tensors
+    systems.accounting models. Written out (naive), torch's SDPA, or our FlashAttention-2 (flash)."""
+
+    NAIVE = "naive"
+    SDPA = "sdpa"
+    FLASH = "flash"
+
+    @classmethod
+    def _missing_(cls, value):
+        raise ValueError(f"unknown attention backend {value!r}; choose from {', '.join(cls)}")
 
 
 _SIZE_FIELDS = ("d_model", "d_ff", "num_layers", "num_heads", "vocab_size", "context_length")
@@ -39,7 +48,7 @@ class TransformerConfig:
     vocab_size: int = 10_000
     context_length: int = 1024
     rope_theta: float = 10_000.0
-    attention: str = "sdpa"
+    attention: Attention = Attention.SDPA
     # Debug mode: every forward checks that the token ids lie in [0, vocab_size), at the cost of a
     # host sync and, under torch.compile, a graph break.
     check_tokens: bool = False
@@ -67,15 +76,13 @@ class TransformerConfig:
         if not isinstance(self.check_tokens, bool):
             raise TypeError(f"check_tokens must be a bool, got {self.check_tokens!r}")
         _check_checkpoint(self.checkpoint)
-        if self.loss_chunk is not None and (not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool)
-                                            or self.loss_chunk < 1):
-            raise ValueError(f"loss_chunk must be None or a positive number of tokens, got {self.loss_chunk!r}")
+        if self.loss_chunk is not None:
+            check_chunk(self.loss_chunk)
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if (self.d_model // self.num_heads) % 2:
             raise ValueError(f"RoPE needs an even head dimension, got {self.d_model // self.num_heads}")
-        if self.attention not in ATTENTION_BACKENDS:
-            raise ValueError(f"unknown attention backend {self.attention!r}; choose from {sorted(ATTENTION_BACKENDS)}")
+        object.__setattr__(self, "attention", Attention(self.attention))  # a name, checked once
 
     @property
     def d_head(self) -> int:

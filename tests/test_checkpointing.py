@@ -9,7 +9,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from memory_probes import cpu_peak_bytes, saved_tensor_bytes, training_peaks
-from systems.accounting import (Flops, activation_memory, checkpoint_levels, largest_context, model_state,
+from systems.accounting import (Checkpointing, Flops, activation_memory, checkpoint_levels, largest_context, model_state,
                                 nested_checkpoint, peak_memory, recomputed_flops)
 from systems.loss import cross_entropy
 from systems.model import TransformerConfig, TransformerLM, get_config
@@ -184,9 +184,23 @@ def test_largest_context_is_the_last_that_fits(precision, levels):
 
 def test_checkpoint_levels_name_the_schemes():
     config, precision = get_config("xl", context_length=2048), PRECISIONS["bf16"]
-    assert checkpoint_levels("none", config, 4, 2048, precision) == ()
-    assert checkpoint_levels("blocks", config, 4, 2048, precision, blocks=6) == (6,)
-    assert checkpoint_levels("nested", config, 4, 2048, precision) == nested_checkpoint(config, 4, 2048, precision)
+
+    def levels(text: str) -> tuple[int, ...]:
+        return checkpoint_levels(Checkpointing.parse(text), config, 4, 2048, precision)
+
+    assert (levels("none"), levels("every6"), levels("6x1")) == ((), (6,), (6, 1))
+    assert levels("nested") == nested_checkpoint(config, 4, 2048, precision)
+
+
+@pytest.mark.parametrize("text", ["none", "every1", "every12", "6x1", "12x4x1", "nested"])
+def test_a_scheme_reads_back_from_its_spelling(text):
+    assert str(Checkpointing.parse(text)) == text
+
+
+@pytest.mark.parametrize("text", ["4", "every0", "every4x1", "1x2", "2x2", "x", "6x", "blocks", "Every4", ""])
+def test_a_scheme_that_is_not_one_is_a_value_error_saying_how_to_write_one(text):
+    with pytest.raises(ValueError, match="checkpointing"):
+        Checkpointing.parse(text)
 
 
 @pytest.mark.parametrize("call, error", [
@@ -195,10 +209,7 @@ def test_checkpoint_levels_name_the_schemes():
     (lambda: get_config("tiny", checkpoint=(0,)), ValueError),
     (lambda: get_config("tiny", checkpoint=(2, 2)), ValueError),
     (lambda: get_config("tiny", checkpoint=(1, 2)), ValueError),
-    (lambda: checkpoint_levels("every", get_config("tiny"), 2, 16, PRECISIONS["fp32"]), ValueError),
-    (lambda: checkpoint_levels("blocks", get_config("tiny"), 2, 16, PRECISIONS["fp32"]), ValueError),
-    (lambda: checkpoint_levels("nested", get_config("tiny"), 2, 16, PRECISIONS["fp32"], blocks=2), ValueError),
-], ids=["list", "bool", "zero", "equal-levels", "growing-levels", "scheme", "no-blocks", "blocks-not-nested"])
+], ids=["list", "bool", "zero", "equal-levels", "growing-levels"])
 def test_bad_checkpointing_is_rejected(call, error):
     with pytest.raises(error):
         call()

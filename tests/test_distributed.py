@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from systems.accounting import count_parameters
-from systems.parallel.train import PHASES, TrainSpec, train
+from systems.parallel.spec import TrainSpec
+from systems.parallel.train import PHASES, train
 from systems.parallel.ranks import RankFailed, RankPool, RankPools, RankTimeout, launch, rank_device
 from systems.model import get_config
 
@@ -117,7 +118,7 @@ def test_training_under_torchrun_matches_one_process():
 
 def torchrun_losses(ranks: int, spec: dict) -> list[float]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-               "-m", "systems.parallel.train", "--backend", "gloo"]
+               "-m", "systems.parallel", "--backend", "gloo"]
     command += [f"--{key.replace('_', '-')}={value}" for key, value in spec.items()]
     env = os.environ | {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)

@@ -44,7 +44,7 @@ from systems.optim import AdamW
 from systems.parallel import fsdp as fsdp_module
 from systems.parallel.fsdp import FSDP, fsdp_gather_full_params, fsdp_on_after_backward, get_fsdp
 from systems.parallel.ranks import rank_device
-from systems.parallel.train import TrainSpec
+from systems.parallel.spec import TrainSpec
 from systems.precision import PRECISIONS
 from systems.step import forward_loss, make_model, optimizer_step, random_batch
 

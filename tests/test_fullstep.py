@@ -25,16 +25,17 @@ from spawned_ranks import results_by_rank
 from systems.accounting import recomputed_blocks
 from systems.optim import AdamW
 from systems.parallel.ranks import rank_device
-from systems.parallel.train import Rank, TrainSpec, rank_batches, train
+from systems.parallel.spec import TrainSpec
+from systems.parallel.train import Rank, rank_batches, train
 from systems.precision import PRECISIONS
 from systems.step import make_model
 
 # Tokens per rank 2 x 24 = 48: chunks of 10 leave a shorter last one.
 BASE = TrainSpec(preset="leaderboard-2026-tiny", variant="fsdp", precision="fp32", batch_size=2, context=24,
                  warmup=0, steps=3, lr=1e-2, loss_chunk=10)
-SPECS = {"every1": dataclasses.replace(BASE, checkpoint=(1,)),
-         "nested": dataclasses.replace(BASE, checkpoint=(3, 1), attention="flash"),
-         "every2-naive": dataclasses.replace(BASE, checkpoint=(2,), attention="naive")}
+SPECS = {"every1": dataclasses.replace(BASE, checkpoint="every1"),
+         "nested": dataclasses.replace(BASE, checkpoint="3x1", attention="flash"),
+         "every2-naive": dataclasses.replace(BASE, checkpoint="every2", attention="naive")}
 
 
 def one_more_step(model, step) -> dict:
@@ -51,7 +52,7 @@ def one_process(spec: TrainSpec, world_size: int, device: torch.device) -> dict:
     """The same steps without FSDP or checkpointing: per-rank micro-batch gradients, summed in rank order, halved."""
     config = dataclasses.replace(spec.config(), checkpoint=())
     torch.manual_seed(spec.seed)  # rank 0's, which FSDP broadcasts
-    model = make_model(config, device, PRECISIONS[spec.precision])
+    model = make_model(config, device, spec.precision)
     params = list(model.parameters())
     optimizer = AdamW(params, lr=spec.lr)
     steps = list(zip(*(rank_batches(config, spec, Rank(r, world_size, device)) for r in range(world_size))))
@@ -97,9 +98,9 @@ def test_levers_on_train_exactly_like_one_process(replicas, name):
 
 @pytest.mark.parametrize("name", SPECS)
 def test_the_backward_recomputes_the_checkpointed_blocks(replicas, name):
-    spec = SPECS[name]
-    layers = spec.config().num_layers
-    blocks, _ = recomputed_blocks(layers, spec.checkpoint)
+    config = SPECS[name].config()
+    layers = config.num_layers
+    blocks, _ = recomputed_blocks(layers, config.checkpoint)
     assert blocks >= layers
     assert all(result[name]["block_calls"] == layers + blocks for result in replicas)
 

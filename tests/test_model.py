@@ -5,7 +5,7 @@ import torch
 
 from systems.attention import BACKENDS, naive_attention
 from systems.loss import cross_entropy
-from systems.model import (ATTENTION_BACKENDS, PRESETS, RMSNorm, RotaryEmbedding, SwiGLU, TransformerBlock,
+from systems.model import (PRESETS, Attention, RMSNorm, RotaryEmbedding, SwiGLU, TransformerBlock,
                            TransformerLM, check_token_ids, get_config)
 from systems.optim import AdamW
 from systems.precision import PRECISIONS
@@ -53,7 +53,7 @@ def test_causality(tiny):
     assert not torch.allclose(before[:, 20:], after[:, 20:])
 
 
-@pytest.mark.parametrize("backend", sorted(set(ATTENTION_BACKENDS) - {"naive", "flash"}))
+@pytest.mark.parametrize("backend", sorted(set(Attention) - {"naive", "flash"}))
 def test_attention_backends_match_naive(backend):
     q, k, v = (torch.randn(2, 3, 37, 16, dtype=torch.float64) for _ in range(3))
     torch.testing.assert_close(BACKENDS[backend](q, k, v, True), naive_attention(q, k, v, True))

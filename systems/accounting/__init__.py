@@ -4,7 +4,7 @@ arithmetic of the scaling book (scaling.py), bucketed all-reduce time (allreduce
 FSDP (sharding.py)."""
 
 from systems.accounting.allreduce import BucketedAllReduce, fit_bucketed_allreduce
-from systems.accounting.checkpointing import SCHEMES, recomputed_blocks
+from systems.accounting.checkpointing import Checkpointing, recomputed_blocks
 from systems.accounting.scaling import (TPU_V5P_BYTES, TPU_V5P_FLOPS, TPU_V5P_ICI_BANDWIDTH, XXL, ComputeBoundBatch,
                                         FFNStack, devices_to_hold, fsdp_tp_compute_bound_batch)
 from systems.accounting.sharding import ShardedMemory, fsdp_memory, sharded_weights
@@ -13,7 +13,7 @@ from systems.accounting.transformer import (GB, H100_BYTES, Activations, Flops, 
                                             count_parameters, flops, largest_context, model_state, nested_checkpoint,
                                             peak_memory, recomputed_flops, residual_stream_bytes)
 
-__all__ = ["GB", "H100_BYTES", "SCHEMES", "TPU_V5P_BYTES", "TPU_V5P_FLOPS", "TPU_V5P_ICI_BANDWIDTH", "XXL",
+__all__ = ["GB", "H100_BYTES", "Checkpointing", "TPU_V5P_BYTES", "TPU_V5P_FLOPS", "TPU_V5P_ICI_BANDWIDTH", "XXL",
            "Activations", "BucketedAllReduce", "ComputeBoundBatch", "FFNStack", "Flops", "ModelState", "PeakMemory",
            "ShardedMemory", "activation_memory", "checkpoint_levels", "count_matmul_parameters", "count_parameters",
            "devices_to_hold", "flops", "fit_bucketed_allreduce", "fsdp_memory", "fsdp_tp_compute_bound_batch",

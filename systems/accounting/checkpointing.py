@@ -22,11 +22,44 @@ gradients: nesting cannot lower it there, and ties go to the scheme that recompu
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+from dataclasses import dataclass
 
-# The ways the benches and the report run the blocks: no checkpointing, one level of segments of a given number
-# of blocks, or the two-level scheme with the least peak (transformer.checkpoint_levels gives their sizes).
-SCHEMES = ("none", "blocks", "nested")
+_LEVELS = re.compile(r"(?:every)?(\d+(?:x\d+)*)")
+
+
+@dataclass(frozen=True)
+class Checkpointing:
+    """A checkpointing scheme, as options, ids and tables spell it: `none` (every activation kept), `every4`
+    (segments of 4 blocks), `6x1` (segments of 6 blocks, each recomputed as segments of 1), or `nested` (the
+    two-level sizes of least peak memory for the model and batch: transformer.checkpoint_levels resolves it).
+    `levels` holds the blocks per segment, outermost first; None for nested."""
+
+    levels: tuple[int, ...] | None
+
+    @classmethod
+    def parse(cls, text: str) -> Checkpointing:
+        if text in ("none", "nested"):
+            return cls(() if text == "none" else None)
+        match = _LEVELS.fullmatch(text)
+        if match is None or text[0].isdigit() != ("x" in text):  # one level reads every4, two 6x1
+            raise ValueError(f"unknown checkpointing {text!r}; write none, nested, everyK (segments of K blocks) "
+                             f"or KxK (segments of K blocks recomputed as segments of k)")
+        levels = tuple(int(k) for k in match.group(1).split("x"))
+        if any(k < 1 for k in levels) or any(inner >= outer for outer, inner in zip(levels, levels[1:])):
+            raise ValueError(f"checkpointing {text!r}: segment sizes must be positive and shrink level by level")
+        return cls(levels)
+
+    def __str__(self) -> str:
+        if self.levels is None:
+            return "nested"
+        if not self.levels:
+            return "none"
+        return f"every{self.levels[0]}" if len(self.levels) == 1 else "x".join(map(str, self.levels))
+
+
+NONE = Checkpointing(())
 
 
 def kept_inputs(num_layers: int, levels: tuple[int, ...]) -> int:

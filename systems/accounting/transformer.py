@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from systems.accounting.checkpointing import (SCHEMES, held_in_backward, inputs_in_forward, kept_inputs,
+from systems.accounting.checkpointing import (Checkpointing, held_in_backward, inputs_in_forward, kept_inputs,
                                               least_peak_levels, recomputed_blocks)
 from systems.accounting.scores import written_out_scores
-from systems.model import ATTENTION_BACKENDS, TransformerConfig
+from systems.model import Attention, TransformerConfig
 from systems.precision import FP32, Precision
 
 GB = 10**9
@@ -162,15 +162,13 @@ class Activations:
 
 
 def activation_memory(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, *,
-                      attention: str | None = None, device: str = "cuda") -> Activations:
+                      attention: Attention | None = None, device: str = "cuda") -> Activations:
     """Saved-for-backward bytes for `attention` ("naive" has the seq² terms; "sdpa" and "flash" keep
     q, k, v, the output and its logsumexp). `device` matters where kernels differ: CUDA's fused SDPA
     writes its output (batch, seq, heads, d_head)-major, so the out projection saves a view of it,
     and CUDA autocast runs softmax in fp32 while CPU autocast does not."""
-    attention = attention or config.attention
+    attention = Attention(attention or config.attention)
     _check_shape(config, batch_size, seq)
-    if attention not in ATTENTION_BACKENDS:
-        raise ValueError(f"unknown attention backend {attention!r}; choose from {sorted(ATTENTION_BACKENDS)}")
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     block = _block_activations(config, batch_size, seq, precision, attention, device)
@@ -347,17 +345,13 @@ def nested_checkpoint(config: TransformerConfig, batch_size: int, seq: int, prec
     return least_peak_levels(config.num_layers, peak)
 
 
-def checkpoint_levels(scheme: str, config: TransformerConfig, batch_size: int, seq: int, precision: Precision, *,
-                      blocks: int | None = None, attention: str | None = None, device: str = "cuda") -> tuple[int, ...]:
-    """`TransformerConfig.checkpoint` for a scheme of checkpointing.SCHEMES: "blocks" takes segments of `blocks`."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown checkpointing scheme {scheme!r}; choose from {', '.join(SCHEMES)}")
-    if (scheme == "blocks") != (blocks is not None):
-        raise ValueError(f"segments of a number of blocks go with the scheme 'blocks' only, got {scheme!r} and "
-                         f"blocks={blocks!r}")
-    if scheme == "nested":
-        return nested_checkpoint(config, batch_size, seq, precision, attention=attention, device=device)
-    return (blocks,) if scheme == "blocks" else ()
+def checkpoint_levels(scheme: Checkpointing, config: TransformerConfig, batch_size: int, seq: int,
+                      precision: Precision, *, attention: Attention | None = None,
+                      device: str = "cuda") -> tuple[int, ...]:
+    """`TransformerConfig.checkpoint` for a scheme: its own levels, or nested's for this model and batch."""
+    if scheme.levels is not None:
+        return scheme.levels
+    return nested_checkpoint(config, batch_size, seq, precision, attention=attention, device=device)
 
 
 def largest_context(config: TransformerConfig, batch_size: int, precision: Precision, *, capacity: int = H100_BYTES,

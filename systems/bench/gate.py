@@ -23,7 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from pytest_benchmark.utils import PercentageRegressionCheck, RegressionCheck
+from pytest_benchmark.utils import PercentageRegressionCheck, RegressionCheck, get_tag, parse_compare_fail
+
+from systems.bench.history import Histories
 
 BASELINE, WORK = "baseline", "working tree"
 # Options of the session that its turns must not repeat: the gate's own, and saving (only the session saves).
@@ -31,6 +33,39 @@ _OPTIONS_WITH_VALUE = ("--benchmark-gate", "--benchmark-gate-against", "--benchm
                        "--benchmark-save", "--benchmark-json")
 _FLAGS = ("--benchmark-autosave",)
 _RUN_OK = (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.NO_TESTS_COLLECTED)
+
+
+def add_options(parser) -> None:
+    group = parser.getgroup("benchmark gate", "fail a run on regressions, against saved runs or a revision")
+    group.addoption("--benchmark-gate", metavar="EXPR", type=parse_compare_fail, default=None,
+                    help="fail on regressions (e.g. median:5%%): each point against the newest complete saved run of "
+                         "this machine and GPU kind that holds it (a first run just saves itself), or with "
+                         "--benchmark-gate-against against a revision timed in the same job")
+    group.addoption("--benchmark-gate-against", metavar="REV", default=None,
+                    help="time git revision REV (checked out in a temporary worktree) and the working tree in "
+                         "turns, and gate the working tree against REV")
+    group.addoption("--benchmark-gate-turns", metavar="K", type=int, default=3,
+                    help="turns of --benchmark-gate-against, each running the benchmarks once in either tree; "
+                         "default 3")
+
+
+def configure(config) -> None:
+    """Register the plugins that save histories safely (partial runs marked) and, with --benchmark-gate, gate.
+    Runs before pytest-benchmark reads its options (its pytest_configure is trylast)."""
+    from systems.bench.timing import device_info
+
+    check, against = config.getoption("benchmark_gate"), config.getoption("benchmark_gate_against")
+    if against is not None and check is None:
+        raise pytest.UsageError("--benchmark-gate-against needs --benchmark-gate EXPR, e.g. median:5%")
+    if check is not None:
+        config.option.benchmark_autosave = get_tag()
+    if against is not None:
+        config.pluginmanager.register(RevisionGate(config, against, config.getoption("benchmark_gate_turns"), check),
+                                      "systems-lab-revision-gate")
+    # One Python/OS folder holds the runs of every GPU kind (H100 and H200 alike): compare like with like.
+    history_gate = check if against is None else None
+    gpu = device_info()["gpu"] if history_gate else None
+    config.pluginmanager.register(Histories(history_gate, gpu), "systems-lab-histories")
 
 
 @dataclass(frozen=True)

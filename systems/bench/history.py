@@ -2,7 +2,7 @@
 that the regression gate compares each point with.
 
 pytest-benchmark saves a run as `<storage>/<machine>/NNNN_<tag>.json`, numbering it one past the highest file
-there. `Histories` is the pytest plugin the root conftest registers to add what that lacks: two runs saving at
+there. `Histories` is the pytest plugin systems.bench.plugin registers to add what that lacks: two runs saving at
 once get distinct numbers, a run that did not go through all its tests is saved as partial, and the gate
 compares each point with the newest complete run of the same GPU kind that holds it.
 """
@@ -17,6 +17,8 @@ from pathlib import Path
 
 from pytest_benchmark.storage.file import FileStorage
 from pytest_benchmark.utils import RegressionCheck, safe_dumps
+
+from systems.bench.workers import WORKER_STOPPED
 
 COMPLETE = "systems_lab_complete"  # False in the history of a run that stopped early
 
@@ -99,4 +101,5 @@ class Histories:
 
     def pytest_benchmark_update_json(self, config, output_json: dict) -> None:
         session = config.pluginmanager.get_plugin("session")
-        output_json[COMPLETE] = not (self.stopped or session.shouldfail or session.shouldstop)  # -x, --maxfail
+        stopped = self.stopped or config.stash.get(WORKER_STOPPED, False)  # Ctrl-C, an xdist worker that crashed
+        output_json[COMPLETE] = not (stopped or session.shouldfail or session.shouldstop)  # -x, --maxfail

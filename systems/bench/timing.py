@@ -5,9 +5,11 @@ from __future__ import annotations
 import functools
 import platform
 import subprocess
+from dataclasses import dataclass
 
 import torch
 
+from systems.bench.schema import KINDS, MEASURED, POINT, Measured, Point, Throughput, to_record
 from systems.device import synchronize
 from systems.precision import Precision
 
@@ -72,13 +74,30 @@ def _nvidia_smi(field: str) -> str | None:
     return out.stdout.splitlines()[0].strip()
 
 
-def time_on_device(benchmark, fn, *, device: torch.device, warmup: int, rounds: int, setup=None):
+def record_point(benchmark, point: Point) -> None:
+    """The point, whole, where the history keeps it; first, so that running out of memory records it too."""
+    benchmark.extra_info[POINT] = point.to_record()
+
+
+def record_measured(benchmark, measured: Measured) -> None:
+    """What the point measured, whole, beside it: the dataclass its kind declares."""
+    kind = KINDS[benchmark.extra_info[POINT]["kind"]]
+    if type(measured) is not kind.measured:
+        raise TypeError(f"{kind.__name__} measures {kind.measured.__name__}, not {type(measured).__name__}")
+    benchmark.extra_info[MEASURED] = to_record(measured)
+
+
+@dataclass(frozen=True)
+class Timing:
+    seconds: float | None  # median seconds per call; None under --benchmark-disable, where fn ran once, untimed
+    peak_memory_mb: float | None  # over the timed rounds, on a GPU
+
+
+def time_on_device(benchmark, fn, *, device: torch.device, warmup: int, rounds: int, setup=None) -> Timing:
     """Time `fn` with pytest-benchmark so that GPU work is inside the measured region.
 
     Each round ends with a device synchronize, so the wall-clock timer sees the kernels finish;
-    `setup` (untimed, once per round) returns the positional arguments of `fn`. Peak memory over
-    the timed rounds goes into `extra_info`. Returns the median seconds per call, or None under
-    --benchmark-disable, where `fn` runs once as a plain test.
+    `setup` (untimed, once per round) returns the positional arguments of `fn`.
     """
 
     def timed(*args):
@@ -93,20 +112,15 @@ def time_on_device(benchmark, fn, *, device: torch.device, warmup: int, rounds: 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     benchmark.pedantic(timed, setup=prepare, rounds=rounds, warmup_rounds=warmup, iterations=1)
-    if device.type == "cuda":
-        benchmark.extra_info["peak_memory_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
-    return benchmark.stats.stats.median if benchmark.stats else None
+    peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
+    return Timing(benchmark.stats.stats.median if benchmark.stats else None, peak)
 
 
-def record_throughput(benchmark, *, seconds: float, flops: float, device: torch.device,
-                      precision: Precision) -> None:
+def throughput(*, seconds: float, flops: float, device: torch.device, precision: Precision) -> Throughput:
     """Achieved TFLOP/s and, on a GPU with a known peak, model FLOPs utilization (the precision's matmuls)."""
     tflops = flops / seconds / 1e12
-    benchmark.extra_info["tflops"] = tflops
     peak = peak_tflops(device, precision)
-    if peak is not None:
-        benchmark.extra_info["peak_tflops"] = peak
-        benchmark.extra_info["mfu"] = tflops / peak
+    return Throughput(tflops, peak, None if peak is None else tflops / peak)
 
 
 def record_timings(benchmark, rank_seconds: list[list[float]]) -> None:

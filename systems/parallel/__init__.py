@@ -1,2 +1,3 @@
-"""Data parallelism: rank pools and launch (ranks), the DDP wrappers (ddp), the data-parallel training loop and
-its torchrun entry point (train), and the clock and memory meters of its steps (meters)."""
+"""Parallel training: rank pools and launch (ranks), the DDP wrappers (ddp), FSDP and its collectives (fsdp,
+collectives), a run's levers (spec), the wrapper each variant trains with (parallelize), the training loop
+(train) with its clock and memory meters (meters), and the torchrun entry point (`python -m systems.parallel`)."""

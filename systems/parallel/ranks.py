@@ -63,8 +63,9 @@ class RankPool:
         # A FileStore on a fresh path: concurrent pools (pytest-xdist workers) cannot collide.
         self._store_dir = tempfile.mkdtemp(prefix="systems-ranks-")
         store_path = os.path.join(self._store_dir, "store")
+        threads = max(1, torch.get_num_threads() // world_size)  # the ranks share this process's cores
         self._ranks = [context.Process(target=_serve, name=f"rank {rank}",
-                                       args=(rank, world_size, backend, store_path, timeout,
+                                       args=(rank, world_size, backend, store_path, timeout, threads,
                                              self._jobs[rank], self._results))
                        for rank in range(world_size)]
         self.closed = False
@@ -125,16 +126,23 @@ def launch(fn: Callable, world_size: int, *, backend: str = "gloo", timeout: flo
 
 
 class RankPools:
-    """A live RankPool per (world size, backend), started on first use and again after a failure."""
+    """A live RankPool per (world size, backend, visible GPUs), started on first use and again after a failure.
+
+    A pool's ranks run on the GPUs this process let them see when it started them (under `pytest -n`, the GPUs
+    an item leased): a run with other GPUs visible gets a pool of its own, and the others are closed first, so
+    that no idle pool keeps memory on GPUs another process now uses."""
 
     def __init__(self, timeout: float):
         self.timeout = timeout
-        self._pools: dict[tuple[int, str], RankPool] = {}
+        self._pools: dict[tuple[int, str, str | None], RankPool] = {}
 
     def run(self, world_size: int, backend: str, fn: Callable, *args) -> list:
-        pool = self._pools.get((world_size, backend))
+        key = (world_size, backend, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        for other in [other for other in self._pools if other[2] != key[2]]:
+            self._pools.pop(other).close()
+        pool = self._pools.get(key)
         if pool is None or pool.closed:
-            pool = self._pools[world_size, backend] = RankPool(world_size, backend=backend, timeout=self.timeout)
+            pool = self._pools[key] = RankPool(world_size, backend=backend, timeout=self.timeout)
         return pool.run(fn, *args)
 
     def close(self) -> None:
@@ -184,15 +192,15 @@ def _init_group(backend: str, local_rank: int, timeout: float, **rendezvous) -> 
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout), device_id=device_id, **rendezvous)
 
 
-def _serve(rank, world_size, backend, store_path, timeout, jobs, results) -> None:
+def _serve(rank, world_size, backend, store_path, timeout, threads, jobs, results) -> None:
     """The body of one spawned rank: join the group, then run jobs until told to stop."""
     _die_with_parent()
     faulthandler.register(signal.SIGUSR1)  # the parent asks a hung rank where it is stuck
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on the lent machines
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all ranks live on this host
-    if backend == "gloo":
-        # N ranks share this machine's cores; torchrun does the same with OMP_NUM_THREADS.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # The ranks share their parent's cores, as torchrun's OMP_NUM_THREADS does; so do their children.
+    torch.set_num_threads(threads)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
     try:
         _init_group(backend, rank, timeout, store=dist.FileStore(store_path, world_size),
                     rank=rank, world_size=world_size)

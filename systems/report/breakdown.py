@@ -4,10 +4,10 @@
 from __future__ import annotations
 
 from systems.bench.breakdown import StepBreakdown
-from systems.bench.schema import FSDP_VARIANTS
+from systems.bench.schema import FSDP_VARIANTS, FSDPMeasured
 from systems.report.distributed import FULLSTEP_KEYS, point_cells, sorted_by_point
 from systems.report.markdown import Table, ms
-from systems.report.runs import ReportError, Result, Run
+from systems.report.runs import Run
 
 # The kinds split the GPU activity by kernel; exposed communication is the part of it no compute overlaps.
 KINDS = ("matmul", "attention_forward", "attention_backward", "communication", "communication_exposed", "other")
@@ -16,7 +16,7 @@ POINT_KEYS = [*FULLSTEP_KEYS, "prefetch"]  # a full step's fields, and FSDP's pr
 
 
 def breakdown_tables(run: Run) -> list[Table]:
-    results = [r for r in run.results if r.get("breakdown_per_rank")]
+    results = [r for r in run.results if isinstance(r.measured, FSDPMeasured) and r.measured.breakdown_per_rank]
     if not results:
         return []
     table = Table("breakdown", "Where a step's GPU time goes, per rank: one profiled step (ms; in brackets, the "
@@ -30,20 +30,13 @@ def breakdown_tables(run: Run) -> list[Table]:
                        "by kernel; they add up to more than busy where streams overlap (communication beside "
                        "compute). Exposed communication: the time only NCCL kernels ran. Optimizer, loss and "
                        "recompute are ranges of the step that cut across the kinds (systems.bench.breakdown).")
-    # Bench by bench (bench_fsdp, bench_fullstep record breakdowns), each point named by the full step's fields,
-    # of which an FSDP point has the first five and ours the gather: the table drops a column no row fills.
-    for r in sorted(sorted_by_point(results, POINT_KEYS, FSDP_VARIANTS), key=lambda r: r.module):
-        point = [r.module.removeprefix("bench_")] + point_cells(r.fields, POINT_KEYS)
-        table.rows += [point + [str(rank)] + breakdown_cells(step) for rank, step in enumerate(steps_of(r))]
+    # Kind by kind (FSDP points and full steps record breakdowns), each point named by the full step's fields,
+    # of which an FSDP point has the first five and ours the levers: the table drops a column no row fills.
+    for r in sorted(sorted_by_point(results, POINT_KEYS, FSDP_VARIANTS), key=lambda r: r.point.kind):
+        point = [r.point.kind] + point_cells(r.point, POINT_KEYS)
+        table.rows += [point + [str(rank)] + breakdown_cells(step)
+                       for rank, step in enumerate(r.measured.breakdown_per_rank)]
     return [table]
-
-
-def steps_of(result: Result) -> list[StepBreakdown]:
-    """Each rank's breakdown; a record that is not a StepBreakdown's is a bad history, not a traceback."""
-    try:
-        return [StepBreakdown(**record) for record in result.get("breakdown_per_rank")]
-    except TypeError as exc:
-        raise ReportError(f"{result.name}: breakdown_per_rank is not StepBreakdown records ({exc})") from None
 
 
 def breakdown_cells(step: StepBreakdown) -> list[str]:

@@ -4,20 +4,23 @@ memory."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from systems.accounting import BucketedAllReduce, count_parameters, fit_bucketed_allreduce
-from systems.bench.schema import DDP_TIMINGS, DDP_VARIANTS, FSDP_TIMINGS, FSDP_VARIANTS, seconds_key
+from systems.bench.schema import DDP_VARIANTS, FSDP_VARIANTS, Phases, Point
 from systems.model import get_config
-from systems.precision import get_precision
-from systems.report.markdown import Table, batch_sizes, ms, number, order, sorted_by
+from systems.parallel.spec import Variant
+from systems.report.markdown import Table, batch_sizes, fields_of, ms, number, order, plain, sorted_by
 from systems.report.runs import Result, Run
+
+PHASES = ("step", "forward", "backward", "comm_wait", "optimizer")
 
 
 def allreduce_tables(run: Run) -> list[Table]:
     keys = ["backend", "world_size", "size_mb"]
-    results = sorted_by(run.select("bench_allreduce", "test_allreduce"), keys)
-    oom = run.oom("bench_allreduce", "test_allreduce")
+    results = sorted_by(run.select("allreduce"), keys)
+    oom = run.oom("allreduce")
     if not results and not oom:
         return []
     table = Table("allreduce", "All-reduce of float32 tensors (times: mean over ranks of their medians)",
@@ -30,50 +33,66 @@ def allreduce_tables(run: Run) -> list[Table]:
                        "one uninterrupted loop of them. Runs saved before the back-to-back figures have per-call "
                        "ones only.")
     for r in results:
-        table.rows.append([number(r.get(k)) for k in keys] + _allreduce_figures(r))
-    table.rows += [[number(point[k]) for k in keys] + ["OOM"] + [""] * 8 for point in oom]
+        m = r.measured
+        table.rows.append([number(k) for k in fields_of(r.point, keys)]
+                          + [ms(m.latency_s), ms(m.latency_spread_s), number(m.latency_busbw_gbps),
+                             ms(m.loop_time_s), ms(m.loop_spread_s)]
+                          + [number(v) for v in (m.algbw_gbps, m.busbw_gbps, m.bare_busbw_gbps, m.loop_vs_bare)])
+    table.rows += [[number(k) for k in fields_of(point, keys)] + ["OOM"] + [""] * 8 for point in oom]
     return [table]
 
 
-def _allreduce_figures(r: Result) -> list[str]:
-    if r.get("loop_time_s") is None:  # saved before the back-to-back figures: its time and busbw are per call
-        return ([ms(r.get("time_s")), ms(r.get("time_spread_s")), number(r.get("busbw_gbps"))] + [""] * 4
-                + [number(r.get("bare_busbw_gbps")), ""])
-    return ([ms(r.get(k)) for k in ("latency_s", "latency_spread_s")] + [number(r.get("latency_busbw_gbps"))]
-            + [ms(r.get(k)) for k in ("loop_time_s", "loop_spread_s")]
-            + [number(r.get(k)) for k in ("algbw_gbps", "busbw_gbps", "bare_busbw_gbps", "loop_vs_bare")])
-
-
-def sorted_by_point(results: list[Result], keys: list[str], variants: tuple[str, ...]) -> list[Result]:
+def sorted_by_point(results: list[Result], keys: list[str], variants: tuple[Variant, ...]) -> list[Result]:
     """Sorted by `keys`, the variants in their table order (baselines first), others after them by name."""
     rank = {variant: i for i, variant in enumerate(variants)}
-    return sorted(results, key=lambda r: tuple(
-        order(rank.get(r.get(k), r.get(k)) if k == "variant" else r.get(k)) for k in keys))
+    return sorted(results, key=lambda r: tuple(order(rank.get(value, value) if key == "variant" else value)
+                                               for key, value in zip(keys, point_values(r.point, keys))))
 
 
-def _training_steps(run: Run, module: str, test: str, keys: list[str],
-                    variants: tuple[str, ...]) -> tuple[list[Result], list[dict]]:
+def point_values(point: Point, keys: list[str]) -> list:
+    """The point's values of `keys`; None for a field its kind has not (our FSDP's levers in a DDP step)."""
+    fields = {field.name for field in dataclasses.fields(point)}
+    return [getattr(point, key) if key in fields else None for key in keys]
+
+
+def _training_steps(run: Run, kind: str, keys: list[str],
+                    variants: tuple[Variant, ...]) -> tuple[list[Result], list[Point]]:
     """A training bench's results, sorted by `keys` with the variants in their table order, and its OOM points."""
-    return sorted_by_point(run.select(module, test), keys, variants), run.oom(module, test)
+    return sorted_by_point(run.select(kind), keys, variants), run.oom(kind)
+
+
+def phase_cells(phases: Phases, names: tuple[str, ...] = PHASES) -> list[str]:
+    return [ms(getattr(phases, f"{name}_s")) for name in names]
+
+
+def vs(run: Run, result: Result, variant: Variant, world_size: int) -> float | None:
+    """The step against the same run's `variant` at the same shape on `world_size` ranks (None if absent)."""
+    shape = ("preset", "edition", "precision", "context", "batch")
+    others = [other for other in run.select(result.point.kind, variant=variant, world_size=world_size)
+              if fields_of(other.point, shape) == fields_of(result.point, shape)]
+    if not others or result.point.variant == variant:
+        return None
+    return result.measured.phases.step_s / others[0].measured.phases.step_s
 
 
 def ddp_tables(run: Run) -> list[Table]:
     keys = ["precision", "context", "world_size", "variant", "bucket_size_mb"]
-    results, oom = _training_steps(run, "bench_ddp", "test_ddp_step", keys, DDP_VARIANTS)
+    results, oom = _training_steps(run, "ddp", keys, DDP_VARIANTS)
     if not results and not oom:
         return []
-    batch = batch_sizes(results, "batch_size_per_rank")
-    steps = Table("ddp", f"Data-parallel training step{batch} per rank (ms; mean over ranks of their medians)",
+    steps = Table("ddp", f"Data-parallel training step{batch_sizes(results)} per rank (ms; mean over ranks of their "
+                         "medians)",
                   ["precision", "context", "ranks", "variant", "bucket MiB", "step", "forward", "backward",
                    "comm wait", "optimizer", "comm share", "vs single", "vs torch DDP", "TFLOP/s per GPU"])
     for r in results:
-        share = r.get("comm_share")
-        steps.rows.append([number(r.get(k)) for k in keys] + [ms(r.get(seconds_key(t))) for t in DDP_TIMINGS]
-                          + ["" if share is None else f"{share:.1%}"]
-                          + [number(r.get(k)) for k in ("vs_single", "vs_torch_ddp", "tflops")])
-    steps.rows += [[number(point.get(k)) for k in keys] + ["OOM"] + [""] * 8 for point in oom]
+        steps.rows.append([number(k) for k in fields_of(r.point, keys)] + phase_cells(r.measured.phases)
+                          + [f"{r.measured.comm_share:.1%}"]
+                          + [number(v) for v in (vs(run, r, Variant.SINGLE, 1),
+                                                 vs(run, r, Variant.TORCH, r.point.world_size),
+                                                 r.measured.throughput.tflops)])
+    steps.rows += [[number(k) for k in fields_of(point, keys)] + ["OOM"] + [""] * 8 for point in oom]
 
-    bucketed = [r for r in results if r.get("variant") == "bucketed"]
+    bucketed = [r for r in results if r.point.variant == Variant.BUCKETED]
     if not bucketed:
         return [steps]
     sweep = Table("ddp_buckets", "DDPBucketed bucket-size sweep (ms), beside the bucket model of "
@@ -86,45 +105,38 @@ def ddp_tables(run: Run) -> list[Table]:
         model = _bucket_model(run, r)
         predicted, best = "", ""
         if model is not None:
-            buckets = max(1, math.ceil(model.param_bytes / (r.get("bucket_size_mb") * 2**20)))
+            buckets = max(1, math.ceil(model.param_bytes / (r.point.bucket_size_mb * 2**20)))
             predicted = ms(model.overhead(buckets))
             if model.latency > 0:  # without a latency the model wants ever smaller buckets
                 best = number(model.optimal_bucket_bytes() / 2**20)
-        sweep.rows.append([number(r.get(k)) for k in ("precision", "context", "world_size", "bucket_size_mb")]
-                          + [ms(r.get(seconds_key(t))) for t in ("step", "backward", "comm_wait")] + [predicted, best])
+        sweep.rows.append([number(k) for k in fields_of(r.point, ["precision", "context", "world_size",
+                                                                   "bucket_size_mb"])]
+                          + phase_cells(r.measured.phases, ("step", "backward", "comm_wait")) + [predicted, best])
     return [steps, sweep]
 
 
 def _bucket_model(run: Run, step: Result) -> BucketedAllReduce | None:
     """The bucket model for a DDPBucketed point, from the same run's single-process and all-reduce points."""
-    single = [r for r in run.select("bench_ddp", "test_ddp_step") if r.get("variant") == "single"
-              and r.get("precision") == step.get("precision") and r.get("context") == step.get("context")]
-    calls = [r for r in run.select("bench_allreduce", "test_allreduce")
-             if r.get("backend") == step.get("backend") and r.get("world_size") == step.get("world_size")]
+    point = step.point
+    single = [r for r in run.select("ddp", variant=Variant.SINGLE, precision=point.precision, context=point.context)]
+    calls = run.select("allreduce", backend=step.measured.backend, world_size=point.world_size)
     if not single:
         return None
-    try:
-        params = count_parameters(get_config(step.get("preset"), context_length=step.get("context")))
-        grad_bytes = get_precision(step.get("precision")).grad_bytes
-    except (ValueError, TypeError):
-        return None
-    # Runs saved before the back-to-back figures timed one call at a time as time_s.
-    allreduces = [(r.get("bytes"), r.get("latency_s", r.get("time_s"))) for r in calls]
-    return fit_bucketed_allreduce(backward_seconds=single[0].get(seconds_key("backward")),
-                                  param_bytes=grad_bytes * params, world_size=step.get("world_size"),
-                                  allreduces=allreduces)
+    params = count_parameters(get_config(point.preset, context_length=point.context))
+    return fit_bucketed_allreduce(backward_seconds=single[0].measured.phases.backward_s,
+                                  param_bytes=point.precision.grad_bytes * params, world_size=point.world_size,
+                                  allreduces=[(r.measured.bytes, r.measured.latency_s) for r in calls])
 
 
 def fsdp_tables(run: Run) -> list[Table]:
     keys = ["preset", "precision", "context", "world_size", "variant", "prefetch", "gather"]
-    results, oom = _training_steps(run, "bench_fsdp", "test_fsdp_step", keys, FSDP_VARIANTS)
+    results, oom = _training_steps(run, "fsdp", keys, FSDP_VARIANTS)
     if not results and not oom:
         return []
     table = Table("fsdp", f"FSDP beside DDP: training step{batch_sizes(results)} per rank (ms; mean over ranks of "
                           "their medians) and peak memory (MiB, the largest rank's)",
                   ["preset", "precision", "context", "ranks", "variant", "prefetch", "gather", "step", "forward",
-                   "backward",
-                   "comm wait", "optimizer", "all-gather wait", "vs single", "TFLOP/s per GPU", "peak",
+                   "backward", "comm wait", "optimizer", "all-gather wait", "vs single", "TFLOP/s per GPU", "peak",
                    "predicted peak", "peak / predicted", "gathered weights"],
                   note="fsdp is ours, fsdp2 torch's fully_shard; prefetch is how many all-gathers ours keeps in "
                        "flight ahead of the computing layer, gather what one of its collectives covers (a layer's "
@@ -133,23 +145,23 @@ def fsdp_tables(run: Run) -> list[Table]:
                        "systems.accounting.fsdp_memory for ours, peak_memory for one process and DDP "
                        "(which leaves out DDP's buckets); none for fsdp2 (older histories hold one process's).")
     for r in results:
-        peak = max((r.get(k) for k in r.fields if k.startswith("memory_") and k.endswith("_mb")), default=None)
-        predicted = r.get("predicted_peak_mb")
-        table.rows.append(point_cells(r.fields, keys) + [ms(r.get(seconds_key(t))) for t in FSDP_TIMINGS]
-                          + [number(r.get(k)) for k in ("vs_single", "tflops")]
+        m = r.measured
+        peak, predicted = m.peak_mb(), m.predicted_peak_mb
+        table.rows.append(point_cells(r.point, keys) + phase_cells(m.phases, (*PHASES, "gather_wait"))
+                          + [number(vs(run, r, Variant.SINGLE, 1)), number(m.throughput.tflops)]
                           + [number(peak), number(predicted),
                              "" if peak is None or not predicted else f"{peak / predicted:.2f}",
-                             number(r.get("peak_gathered_mb"))])
+                             number(m.peak_gathered_mb)])
     table.rows += [point_cells(point, keys) + ["OOM"] + [""] * 11 for point in oom]
     return [table]
 
 
-FULLSTEP_KEYS = ["preset", "precision", "context", "world_size", "variant", "attention", "checkpoint_blocks",
+FULLSTEP_KEYS = ["preset", "precision", "context", "world_size", "variant", "attention", "checkpoint",
                  "loss_chunk", "gather"]
 
 
 def fullstep_tables(run: Run) -> list[Table]:
-    results, oom = _training_steps(run, "bench_fullstep", "test_fullstep", FULLSTEP_KEYS, FSDP_VARIANTS)
+    results, oom = _training_steps(run, "fullstep", FULLSTEP_KEYS, FSDP_VARIANTS)
     if not results and not oom:
         return []
     table = Table("fullstep", f"Whole training step{batch_sizes(results)} per rank, as the leaderboard times it: "
@@ -163,29 +175,34 @@ def fullstep_tables(run: Run) -> list[Table]:
                        "Predicted peak: the largest rank's (systems.accounting.fsdp_memory for our FSDP). Cold "
                        "start: from the pytest process's start to the end of the point's timed job.")
     for r in results:
-        peaks, predicted = r.get("peak_memory_mb_per_rank") or [], r.get("predicted_peak_mb")
-        mfu, tokens = r.get("mfu"), r.get("tokens_per_s")
-        table.rows.append(point_cells(r.fields, FULLSTEP_KEYS) + [number(r.get(k)) for k in ("step_s", "do_bench_s")]
-                          + ["" if mfu is None else f"{mfu:.1%}", "" if tokens is None else f"{tokens:,.0f}",
+        m = r.measured
+        peaks, predicted = m.peak_memory_mb_per_rank or [], m.predicted_peak_mb
+        mfu = m.throughput.mfu
+        table.rows.append(point_cells(r.point, FULLSTEP_KEYS) + [number(m.phases.step_s), number(m.do_bench_s)]
+                          + ["" if mfu is None else f"{mfu:.1%}", f"{m.tokens_per_s:,.0f}",
                              ", ".join(map(_gib, peaks)), _gib(predicted),
                              f"{max(peaks) / predicted:.2f}" if peaks and predicted else "",
-                             number(r.get("cold_start_s"))])
+                             number(m.cold_start_s)])
     table.rows += [point_cells(point, FULLSTEP_KEYS) + ["OOM"] + [""] * 7 for point in oom]
     return [table]
 
 
-LEVERS_OFF = {"checkpoint_blocks": "none", "loss_chunk": "full"}  # a full step's levers, by name where None
-OURS_ONLY = ("prefetch", "gather")  # our FSDP's levers, which the other variants have not
-SAVED_BEFORE = {"prefetch": 1, "gather": "layer"}  # what our FSDP ran with before its point recorded the lever
+LEVERS_OFF = {"checkpoint": "none", "loss_chunk": "full"}  # a full step's levers, by name where they are off
 
 
-def point_cells(fields: dict, keys: list[str]) -> list[str]:
-    """A point's fields as cells: a lever the point has but leaves off by name, our FSDP's levers blank for the
-    other variants and as they ran where an older record lacks them, another field a point lacks empty."""
+def point_cells(point: Point, keys: list[str]) -> list[str]:
+    """A point's fields as cells: a lever it leaves off by name; a field its kind has not, or our FSDP's levers
+    for the other variants, empty."""
+    fields = {field.name for field in dataclasses.fields(point)}
+
     def cell(key: str) -> str:
-        if key in OURS_ONLY:
-            return number(fields.get(key, SAVED_BEFORE[key])) if fields.get("variant") == "fsdp" else ""
-        return LEVERS_OFF.get(key, "") if fields.get(key) is None and key in fields else number(fields.get(key))
+        if key not in fields:
+            return ""
+        value = getattr(point, key)
+        if key == "checkpoint":
+            levels = value.levels
+            return "none" if not levels else str(levels[0]) if len(levels) == 1 else str(value)
+        return LEVERS_OFF[key] if value is None and key in LEVERS_OFF else number(value)
 
     return [cell(key) for key in keys]
 
@@ -196,21 +213,19 @@ def _gib(mb: float | None) -> str:
 
 def optimizer_tables(run: Run) -> list[Table]:
     keys = ["world_size", "optimizer"]
-    results = sorted_by(run.select("bench_ddp", "test_optimizer_memory"), keys)
+    results = sorted_by(run.select("optimizer"), keys)
     if not results:
         return []
-    moments = sorted({k for r in results for k in r.fields if k.startswith("memory_") and k.endswith("_mb")})
+    moments = sorted({moment for r in results for moment in r.measured.memory_mb or {}})
     table = Table("sharded_optimizer", "Optimizer state and peak memory per rank (MiB): AdamW, ShardedOptimizer, "
                                        "torch ZeroRedundancyOptimizer",
                   ["ranks", "optimizer", "state per rank", "unsharded state", "largest share", "ideal share"]
-                  + [f"peak {m.removeprefix('memory_').removesuffix('_mb').replace('_', ' ')}" for m in moments]
-                  + ["optimizer (ms)", "step (ms)"])
+                  + [f"peak {moment.replace('_', ' ')}" for moment in moments] + ["optimizer (ms)", "step (ms)"])
     for r in results:
-        state = r.get("state_mb")
-        table.rows.append([number(r.get(k)) for k in keys] + [number(max(state)) if state else "",
-                                                              number(r.get("unsharded_state_mb")),
-                                                              number(r.get("state_fraction")),
-                                                              number(r.get("ideal_fraction"))]
-                          + [number(r.get(m)) for m in moments]
-                          + [ms(r.get(seconds_key(t))) for t in ("optimizer", "step")])
+        m = r.measured
+        table.rows.append([number(k) for k in fields_of(r.point, keys)]
+                          + [number(max(m.state_mb)), number(m.unsharded_state_mb), number(m.state_fraction),
+                             number(m.ideal_fraction)]
+                          + [number((m.memory_mb or {}).get(moment)) for moment in moments]
+                          + [ms(m.optimizer_s), ms(m.step_s)])
     return [table]

@@ -1,11 +1,15 @@
-"""Tables in markdown, the formats of their cells, and results grouped into rows."""
+"""Tables in markdown, the formats of their cells, and results grouped into rows by their points' fields."""
 
 from __future__ import annotations
 
+import enum
 from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+from systems.accounting.checkpointing import Checkpointing
+from systems.bench.schema import Point
+from systems.precision import Precision
 from systems.report.runs import Result
 
 
@@ -35,12 +39,27 @@ def ms_pm(result: Result) -> str:
     return f"{ms(result.mean)} ± {result.stddev * 1e3:.2g}"
 
 
+def plain(value):
+    """A point's field as tables show and sort it: a precision by its name, a choice or a scheme as text."""
+    if isinstance(value, Precision):
+        return value.name
+    if isinstance(value, (enum.Enum, Checkpointing)):
+        return str(value)
+    return value
+
+
 def number(value) -> str:
+    value = plain(value)
     if value is None:
         return ""
     if isinstance(value, float):
         return f"{value:.4g}"
     return str(value)
+
+
+def fields_of(point: Point, keys: list[str]) -> tuple:
+    """The point's values of `keys` (its dataclass fields: a name it lacks is an error), as tables show them."""
+    return tuple(plain(getattr(point, key)) for key in keys)
 
 
 def mib(nbytes: float) -> str:
@@ -49,18 +68,19 @@ def mib(nbytes: float) -> str:
 
 def order(value) -> tuple:
     """Sorts numbers before text, None last, within a column."""
+    value = plain(value)
     if value is None:
         return (2, 0, "")
     return (0, value, "") if isinstance(value, (int, float)) else (1, 0, str(value))
 
 
-def pivot(results: Iterable[Result], keys: list[str], column: str, oom: Iterable[dict] = ()) -> dict[tuple, dict]:
+def pivot(results: Iterable[Result], keys: list[str], column: str, oom: Iterable[Point] = ()) -> dict[tuple, dict]:
     """{key values: {value of `column`: result, or "OOM"}}, sorted by key."""
     grid = defaultdict(dict)
     for r in results:
-        grid[tuple(r.get(k) for k in keys)][r.get(column)] = r
+        grid[fields_of(r.point, keys)][plain(getattr(r.point, column))] = r
     for point in oom:
-        grid[tuple(point.get(k) for k in keys)].setdefault(point.get(column), "OOM")
+        grid[fields_of(point, keys)].setdefault(plain(getattr(point, column)), "OOM")
     return {key: grid[key] for key in sorted(grid, key=lambda key: tuple(map(order, key)))}
 
 
@@ -71,9 +91,9 @@ def cell(entry, fmt: Callable[[Result], str]) -> str:
 
 
 def sorted_by(results: Iterable[Result], keys: list[str]) -> list[Result]:
-    return sorted(results, key=lambda r: tuple(order(r.get(k)) for k in keys))
+    return sorted(results, key=lambda r: tuple(map(order, fields_of(r.point, keys))))
 
 
-def batch_sizes(results: list[Result], key: str = "batch_size") -> str:
-    sizes = sorted({r.get(key) for r in results if r.get(key) is not None})
+def batch_sizes(results: list[Result]) -> str:
+    sizes = sorted({r.point.batch for r in results})
     return f", batch size {', '.join(map(str, sizes))}" if sizes else ""

@@ -6,11 +6,13 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from systems.bench.schema import MODEL_PHASES, seconds_key
+from systems.bench.schema import MODEL_PHASES
+from systems.parallel.spec import Variant
 from systems.report.markdown import order
 from systems.report.runs import Result, Run
 
 Series = dict[str, list[tuple[float, float]]]  # label -> (x, y) points
+Figure = Callable[[Result], float | None]
 
 
 def build_plots(run: Run, out: Path) -> list[Path]:
@@ -20,57 +22,55 @@ def build_plots(run: Run, out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     figures = []
-    model = run.select("bench_model", "test_model")
+    model = run.select("model")
     for phase in MODEL_PHASES:
         figures.append((f"model_{phase}", f"Model, {phase}", "context length", _panels(
-            [r for r in model if r.get("phase") == phase], "context",
-            lambda r: f"{r.get('preset')} {r.get('precision')} {r.get('compile')}",
-            [("ms", lambda r: r.mean * 1e3), ("TFLOP/s", lambda r: r.get("tflops"))])))
-    attention = (run.select("bench_attention", "test_handout_sweep")
-                 + run.select("bench_attention", "test_flash_sweep"))
-    for sweep, pass_, precision in sorted({(r.get("sweep"), r.get("pass"), r.get("precision")) for r in attention},
-                                          key=str):
+            [r for r in model if r.point.phase == phase], lambda r: r.point.context,
+            lambda r: f"{r.point.preset} {r.point.precision.name} {r.point.compile}",
+            [("ms", lambda r: r.mean * 1e3), ("TFLOP/s", _tflops)])))
+    attention = run.select("attention", sweep="handout") + run.select("attention", sweep="flash")
+    for sweep, pass_, precision in sorted({(r.point.sweep, r.point.pass_, r.point.precision.name)
+                                           for r in attention}):
         # One column per head dim, time above TFLOP/s, one line per implementation: a whole grid in one line
         # per (implementation, d, precision) would be unreadable.
-        points = [r for r in attention
-                  if (r.get("sweep"), r.get("pass"), r.get("precision")) == (sweep, pass_, precision)]
-        dims = sorted({r.get("d") for r in points}, key=order)
-        panels = [panel for ylabel, y in (("ms", lambda r: r.mean * 1e3), ("TFLOP/s", lambda r: r.get("tflops")))
-                  for d in dims
-                  for panel in _panels([r for r in points if r.get("d") == d], "seq", lambda r: r.get("impl"),
-                                       [(f"{ylabel}, d={d}", y)])]
+        points = [r for r in attention if (r.point.sweep, r.point.pass_, r.point.precision.name)
+                  == (sweep, pass_, precision)]
+        dims = sorted({r.point.d for r in points}, key=order)
+        panels = [panel for ylabel, y in (("ms", lambda r: r.mean * 1e3), ("TFLOP/s", _tflops)) for d in dims
+                  for panel in _panels([r for r in points if r.point.d == d], lambda r: r.point.seq,
+                                       lambda r: r.point.impl, [(f"{ylabel}, d={d}", y)])]
         figures.append((f"attention_{sweep}_{pass_}_{precision}", f"Attention, {sweep} sweep, {pass_}, {precision}",
                         "sequence length", panels, len(dims)))
     figures.append(("allreduce_bandwidth", "All-reduce", "MiB", _panels(
-        run.select("bench_allreduce", "test_allreduce"), "size_mb",
-        lambda r: f"{r.get('backend')}, {r.get('world_size')} ranks",
-        [("bus bandwidth (GB/s)", lambda r: r.get("busbw_gbps")), ("ms", lambda r: r.seconds * 1e3)])))
+        run.select("allreduce"), lambda r: r.point.size_mb,
+        lambda r: f"{r.point.backend}, {r.point.world_size} ranks",
+        [("bus bandwidth (GB/s)", lambda r: r.measured.busbw_gbps),
+         ("ms", lambda r: None if r.seconds is None else r.seconds * 1e3)])))
     figures.append(("ddp_buckets", "DDPBucketed step against bucket size", "bucket MiB", _panels(
-        [r for r in run.select("bench_ddp", "test_ddp_step") if r.get("variant") == "bucketed"], "bucket_size_mb",
-        lambda r: f"{r.get('precision')} context {r.get('context')}, {r.get('world_size')} ranks",
-        [("step (ms)", lambda r: r.seconds * 1e3),
-         ("comm wait (ms)", lambda r: ms_or_none(r.get(seconds_key("comm_wait"))))])))
+        run.select("ddp", variant=Variant.BUCKETED), lambda r: r.point.bucket_size_mb,
+        lambda r: f"{r.point.precision.name} context {r.point.context}, {r.point.world_size} ranks",
+        [("step (ms)", lambda r: r.seconds * 1e3), ("comm wait (ms)", lambda r: r.measured.phases.comm_wait_s * 1e3)])))
     figures.append(("checkpointing", "Activation checkpointing: step time against activation memory, a point per "
                     "scheme", "activation MiB", _panels(
-        run.select("bench_checkpoint", "test_checkpoint"), "activation_mb",
-        lambda r: " ".join(str(r.get(k)) for k in ("preset", "batch", "context", "precision", "attention")),
+        run.select("checkpoint"), lambda r: r.measured.activation_mb,
+        lambda r: f"{r.point.preset} {r.point.batch} {r.point.context} {r.point.precision.name} {r.point.attention}",
         [("step (ms)", lambda r: r.mean * 1e3)])))
     return [path for figure in figures if (path := _plot(plt, out, *figure)) is not None]
 
 
-def ms_or_none(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1e3
+def _tflops(result: Result) -> float | None:
+    return None if result.measured.throughput is None else result.measured.throughput.tflops
 
 
-def _panels(results: list[Result], x: str, label: Callable[[Result], str],
-            panels: list[tuple[str, Callable[[Result], float | None]]]) -> list[tuple[str, Series]]:
+def _panels(results: list[Result], x: Figure, label: Callable[[Result], str],
+            panels: list[tuple[str, Figure]]) -> list[tuple[str, Series]]:
     """For each (y label, y of a result): the points of each label's line; lines of one point are dropped."""
     out = []
     for ylabel, y in panels:
         series = defaultdict(list)
         for r in results:
-            if isinstance(r.get(x), (int, float)) and y(r) is not None:
-                series[label(r)].append((r.get(x), y(r)))
+            if x(r) is not None and y(r) is not None:
+                series[label(r)].append((x(r), y(r)))
         out.append((ylabel, {name: sorted(points) for name, points in sorted(series.items()) if len(points) > 1}))
     return out
 

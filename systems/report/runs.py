@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from systems.bench.history import is_complete
-from systems.bench.schema import POINT, Point, read_point
-from systems.report import legacy
+from systems.bench.schema import MEASURED, POINT, SCHEMA, Measured, Point, SchemaError, read_measured, read_point
 
 RUN_RANGE = re.compile(r"(?P<first>\d+)-(?P<last>\d+)")  # --run 16-20
 
@@ -21,31 +20,20 @@ class ReportError(Exception):
 
 @dataclass(frozen=True)
 class Result:
-    module: str  # "bench_model"
-    test: str  # "test_model"
-    name: str  # "test_model[tiny-ctx128-fp32-eager-forward]"
-    fields: dict  # serializable params overlaid with extra_info, and the point's fields
+    name: str  # the test id: "test_model[tiny-2025-b4-ctx128-fp32-sdpa-eager-forward]"
+    point: Point | None  # None for a benchmark of another project's, saved without a point
+    measured: Measured | None
+    fields: dict  # such a benchmark's serializable params and extra_info, for its table
     mean: float  # seconds, over pytest-benchmark's rounds
     stddev: float
     min: float
     max: float
     rounds: int
 
-    def get(self, key: str, default=None):
-        return self.fields.get(key, default)
-
     @property
-    def seconds(self) -> float:
-        """The benchmark's figure: the distributed benches time inside their ranks (time_s, step_s),
-        so pytest-benchmark's own mean there is only the cost of a measurement."""
-        return self.get("time_s") or self.get("step_s") or self.mean
-
-
-@dataclass(frozen=True)
-class OutOfMemory:
-    module: str
-    name: str  # the test id
-    point: Point | None  # None for a test without points
+    def seconds(self) -> float | None:
+        """The figure runs are compared by: the kind's headline time (systems.bench.schema.Measured.seconds)."""
+        return self.mean if self.measured is None else self.measured.seconds(self.mean)
 
     @property
     def test(self) -> str:
@@ -59,18 +47,21 @@ class Run:
     commit: str
     datetime: str
     results: list[Result]
-    out_of_memory: list[OutOfMemory]
+    out_of_memory: list[Point]
 
     @property
     def id(self) -> str:
         return "+".join(path.stem.split("_")[0] for path in self.paths)
 
-    def select(self, module: str, test: str) -> list[Result]:
-        return [r for r in self.results if r.module == module and r.test == test]
+    def select(self, kind: str, **fields) -> list[Result]:
+        """The results of a point kind whose points have these field values."""
+        return [r for r in self.results if r.point is not None and r.point.kind == kind
+                and all(getattr(r.point, field) == value for field, value in fields.items())]
 
-    def oom(self, module: str, test: str) -> list[dict]:
-        """The points of `test` that ran out of memory, as their fields."""
-        return [o.point.to_dict() for o in self.out_of_memory if (o.module, o.test) == (module, test) and o.point]
+    def oom(self, kind: str, **fields) -> list[Point]:
+        """The points of a kind that ran out of memory."""
+        return [point for point in self.out_of_memory if point.kind == kind
+                and all(getattr(point, field) == value for field, value in fields.items())]
 
 
 def find_run(storage: Path, machine: str | None, run_id: str | None) -> Path:
@@ -136,14 +127,15 @@ def merge_runs(runs: list[Run]) -> Run:
     result (or its out-of-memory) wins."""
     if len(runs) == 1:
         return runs[0]
-    points: dict[tuple[str, str], Result | OutOfMemory] = {}
+    points: dict[str, Result | Point] = {}
     for run in runs:
-        points.update(((point.module, point.name), point) for point in [*run.results, *run.out_of_memory])
+        points.update((result.name, result) for result in run.results)
+        points.update((f"{point.kind}[{point}]", point) for point in run.out_of_memory)
     return Run(paths=tuple(path for run in runs for path in run.paths),
                machine=_distinct(run.machine for run in runs), commit=_distinct(run.commit for run in runs),
                datetime=f"{runs[0].datetime} to {runs[-1].datetime}",
                results=[point for point in points.values() if isinstance(point, Result)],
-               out_of_memory=[point for point in points.values() if isinstance(point, OutOfMemory)])
+               out_of_memory=[point for point in points.values() if isinstance(point, Point)])
 
 
 def _distinct(values: Iterable[str]) -> str:
@@ -171,42 +163,44 @@ def _read(path: Path) -> dict:
 def load_run(path: Path) -> Run:
     data = _read(path)
     try:
+        _check_schema(data)
         return Run(
             paths=(path,),
             machine=_describe_machine(data.get("machine_info") or {}),
             commit=str((data.get("commit_info") or {}).get("id", "unknown")),
             datetime=str(data.get("datetime", "")),
             results=[_result(bench) for bench in data["benchmarks"]],
-            out_of_memory=[_out_of_memory(entry) for entry in data.get("out_of_memory", [])],
+            out_of_memory=[read_point(entry[POINT]) for entry in data.get("out_of_memory", [])],
         )
+    except SchemaError as exc:
+        raise ReportError(f"{path}: {exc}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ReportError(f"{path} is not a pytest-benchmark history ({type(exc).__name__}: {exc})") from None
 
 
-def _module(fullname: str) -> str:
-    return Path(fullname.split("::")[0]).stem  # "benches/bench_model.py::test_model[...]" -> "bench_model"
+def _check_schema(data: dict) -> None:
+    """A history of ours names its schema; one from before it must be migrated, one from after it is unknown."""
+    schema = data.get("systems_lab_schema")
+    if schema is None and "systems_lab" in (data.get("machine_info") or {}):
+        raise SchemaError("saved before the benchmark schema; migrate it once with `python -m systems.bench.migrate "
+                          "FILE`")
+    if schema is not None and schema != SCHEMA:
+        raise SchemaError(f"saved with schema {schema!r} (this code reads {SCHEMA}): a newer schema? update "
+                          "systems-lab")
 
 
 def _result(bench: dict) -> Result:
+    extra_info = bench.get("extra_info") or {}
+    point = read_point(extra_info[POINT]) if POINT in extra_info else None
+    if point is not None and MEASURED not in extra_info:
+        raise SchemaError(f"{bench['name']}: a point without its measurements")
+    measured = read_measured(point, extra_info[MEASURED]) if point is not None else None
     params = {k: v for k, v in (bench.get("params") or {}).items()
               if not (isinstance(v, str) and v.startswith("UNSERIALIZABLE["))}
-    extra_info = dict(bench.get("extra_info") or {})
-    record = extra_info.pop(POINT, None)
-    if record is None:  # saved before points were
-        fields = legacy.result_fields({**params, **extra_info})
-    else:
-        fields = {**params, **extra_info, **read_point(record).to_dict()}
     stats = bench["stats"]
-    return Result(module=_module(bench["fullname"]), test=bench["name"].split("[")[0], name=bench["name"],
-                  fields=fields, mean=float(stats["mean"]), stddev=float(stats["stddev"]), min=float(stats["min"]),
+    return Result(name=bench["name"], point=point, measured=measured, fields={**params, **extra_info},
+                  mean=float(stats["mean"]), stddev=float(stats["stddev"]), min=float(stats["min"]),
                   max=float(stats["max"]), rounds=int(stats["rounds"]))
-
-
-def _out_of_memory(entry: dict) -> OutOfMemory:
-    module = _module(entry["fullname"])
-    record = entry.get(POINT)
-    point = legacy.point_from_id(module, entry["name"]) if record is None else read_point(record)
-    return OutOfMemory(module=module, name=entry["name"], point=point)
 
 
 def _describe_machine(info: dict) -> str:

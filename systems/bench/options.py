@@ -1,0 +1,236 @@
+"""The benchmark grids' command-line options: each parsed by its lever's own parser, checked at start-up, and
+handed to the benches as one typed `Grid`.
+
+A bad value is argparse's usage error naming the option (`--precisions: unknown precision 'fp8'; choose
+from ...`); a combination that selects nothing is caught here or, for what only a bench knows, where the bench
+builds its points (`points_or_usage_error`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import pytest
+
+from systems.accounting.checkpointing import Checkpointing
+from systems.attention.backends import BENCHED_BACKENDS
+from systems.model import PRESETS, Attention
+from systems.parallel.fsdp import Gather, check_prefetch
+from systems.parallel.ranks import BACKENDS
+from systems.parallel.spec import Variant
+from systems.precision import DTYPES, Precision, get_precision
+
+EDITIONS = ("2025", "2026")
+
+
+def _number(kind: type, text: str):
+    try:
+        return kind(text)
+    except ValueError:
+        raise ValueError(f"{text!r} is not a valid {kind.__name__}") from None
+
+
+def _positive(kind: type) -> Callable[[str], float]:
+    def parse(text: str):
+        value = _number(kind, text)
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{value!r} is not positive")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _at_least_zero(text: str) -> int:
+    value = _number(int, text)
+    if value < 0:
+        raise ValueError(f"{value} is not zero or more")
+    return value
+
+
+def _one_of(names, what: str) -> Callable[[str], str]:
+    def parse(text: str) -> str:
+        if text not in names:
+            raise ValueError(f"unknown {what} {text!r}; choose from {', '.join(names)}")
+        return text
+    return parse
+
+
+def _name(text: str) -> str:
+    """A preset's name; whether the edition has it is checked once every option is read (`configure_grid`)."""
+    if not text:
+        raise ValueError("empty name")
+    return text
+
+
+def _attention_precision(text: str) -> Precision:
+    return get_precision(_one_of(DTYPES, "precision")(text))
+
+
+def _prefetch(text: str) -> int:
+    return check_prefetch(_number(int, text))
+
+
+def _loss_chunk(text: str) -> int | None:
+    return None if text == "full" else _positive(int)(text)
+
+
+def _checkpointing(text: str) -> Checkpointing:
+    return Checkpointing.parse(text)
+
+
+def _typed(parse: Callable[[str], object]) -> Callable[[str], object]:
+    """argparse's type: the parser's ValueError becomes argparse's usage error, naming the option."""
+    def typed(text: str):
+        try:
+            return parse(text.strip())
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return typed
+
+
+def _list(parse: Callable[[str], object], empty: bool = False) -> Callable[[str], list]:
+    """A comma-separated list of `parse`'s values; empty only where `empty` says it means none."""
+    item = _typed(parse)
+
+    def parse_list(text: str) -> list:
+        values = [item(part) for part in text.split(",") if part.strip()]
+        if not values and not empty:
+            raise argparse.ArgumentTypeError("no values given")
+        return values
+    return parse_list
+
+
+@dataclass(frozen=True)
+class Option:
+    flag: str
+    parse: Callable[[str], object]
+    default: str | None  # as it would be typed, so that the default goes through the parser too; None: unset
+    help: str
+    many: bool = False  # a comma-separated list
+    empty: bool = False  # an empty list is a choice: none of these points
+
+    @property
+    def dest(self) -> str:
+        return self.flag.removeprefix("--").replace("-", "_")
+
+
+GROUPS: dict[str, tuple[str, list[Option]]] = {
+    "systems-lab grids": ("what the benchmarks sweep; defaults fit a laptop CPU", [
+        Option("--presets", _name, "tiny", "model presets (bench_model, bench_checkpoint), or all", many=True),
+        Option("--edition", _one_of(EDITIONS, "edition"), "2025",
+               "the CS336 edition whose model table the presets name: 2025 or 2026 (xl differs; 10B is 2026's)"),
+        Option("--contexts", _positive(int), "128", "context lengths", many=True),
+        Option("--compile-contexts", _positive(int), "", "context lengths at which bench_model also runs under "
+               "torch.compile", many=True, empty=True),
+        Option("--compile-mode", _one_of(("regional", "cudagraphs"), "compile mode"), "regional",
+               "torch.compile block by block (compile time independent of depth), or the whole model with CUDA "
+               "graphs (no launch overhead; compile time grows with depth)"),
+        Option("--precisions", get_precision, "fp32,bf16",
+               "fp32, bf16 (autocast), fp16, bf16-weights (bf16 weights, fp32 master copies in AdamW)", many=True),
+        Option("--batch-size", _positive(int), "4", "sequences per step (per rank in the distributed benches)"),
+        Option("--attention", Attention, "sdpa", "attention backend of the model: naive, sdpa, flash"),
+        Option("--warmup-steps", _at_least_zero, "2", "untimed steps before each timed benchmark"),
+        Option("--rounds", _positive(int), "5", "timed rounds per benchmark"),
+        Option("--memory-snapshot-dir", str, None, "bench_model: write CUDA memory snapshots of a forward pass and "
+               "a training step here"),
+        Option("--checkpoint", _checkpointing, "none,every1,nested",
+               "checkpointing schemes (bench_checkpoint, bench_fullstep): none, everyK (segments of K blocks), "
+               "KxK (two levels, e.g. 6x1), nested (the two levels of least peak memory)", many=True),
+        Option("--max-context", _positive(int), "256",
+               "bench_checkpoint's context search doubles from the first of --contexts up to this"),
+    ]),
+    "attention benchmarks": ("bench_attention.py; defaults fit a laptop CPU", [
+        Option("--attn-grid", _one_of(("tiny", "full"), "grid"), "tiny",
+               "tiny: seq 128,256 x d 16,32 in fp32; full: the issue's grids (handout sweep d 16-128 x seq "
+               "256-16384; FlashAttention sweep d 16-128 x seq 128-65536 in bf16 and fp32)"),
+        Option("--attn-seqs", _positive(int), "", "sequence lengths, instead of --attn-grid's", many=True,
+               empty=True),
+        Option("--attn-dims", _positive(int), "", "head dims, instead of --attn-grid's", many=True, empty=True),
+        Option("--attn-precisions", _attention_precision, "", "fp32/bf16/fp16 for the FlashAttention sweep, "
+               "instead of --attn-grid's", many=True, empty=True),
+        Option("--attn-impls", _one_of(BENCHED_BACKENDS, "implementation"), "",
+               "from naive, compiled (torch.compile'd naive), pytorch (FlashAttentionPytorch), triton, sdpa; "
+               "default naive,compiled,triton,sdpa on CUDA and naive,pytorch,sdpa on CPU", many=True, empty=True),
+    ]),
+    "distributed benchmarks": ("bench_allreduce, bench_ddp, bench_fsdp, bench_fullstep; defaults fit a laptop CPU "
+                               "(gloo, 2 ranks)", [
+        Option("--world-sizes", _positive(int), "2", "numbers of ranks, e.g. 2,4,8", many=True),
+        Option("--allreduce-backends", _one_of(BACKENDS, "backend"), "gloo",
+               "gloo (CPU tensors) and/or nccl (one GPU per rank)", many=True),
+        Option("--allreduce-sizes-mb", _positive(float), "1,10", "float32 tensor sizes in MiB, e.g. 1,10,100,1024",
+               many=True),
+        Option("--ddp-preset", _name, "tiny", "model preset of bench_ddp (with --batch-size per rank, "
+               "--contexts, --precisions)"),
+        Option("--bucket-sizes-mb", _positive(float), "1,10", "DDPBucketed bucket sizes in MiB, e.g. 1,10,100,1000",
+               many=True),
+        Option("--fsdp-preset", _name, "tiny", "model preset of bench_fsdp; the issue's point: xl"),
+        Option("--fsdp-prefetch", _prefetch, "1", "all-gathers our FSDP keeps in flight ahead of the computing "
+               "layer, e.g. 1,2,5", many=True),
+        Option("--fsdp-gather", Gather, "block", "what one of our FSDP's collectives covers: layer (each weight, "
+               "the handout's) and/or block (a Transformer block's weights, FSDP2's)", many=True),
+        Option("--fullstep-preset", _name, "leaderboard-2026-tiny",
+               "bench_fullstep's model; the issue's: leaderboard-2026 (with --contexts 32768 --batch-size 1 "
+               "--precisions bf16 --loss-chunk 4096)"),
+        Option("--fullstep-variant", Variant, "fsdp", "how bench_fullstep's ranks share the step: "
+               + ", ".join(Variant)),
+        Option("--loss-chunk", _loss_chunk, "48", "tokens per chunk of bench_fullstep's cross-entropy, or full"),
+    ]),
+}
+OPTIONS = {option.dest: option for _, options in GROUPS.values() for option in options}
+PRESET_OPTIONS = ("presets", "ddp_preset", "fsdp_preset", "fullstep_preset")
+
+
+@dataclass(frozen=True)
+class Grid:
+    """Every grid option's parsed value, by option name (`grid.precisions`: a list of Precision)."""
+
+    values: dict
+
+    def __getattr__(self, name: str):
+        try:
+            return self.values[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+GRID = pytest.StashKey[Grid]()
+
+
+def add_options(parser) -> None:
+    for name, (description, options) in GROUPS.items():
+        group = parser.getgroup(name, description)
+        for option in options:
+            parse = _list(option.parse, option.empty) if option.many else _typed(option.parse)
+            default = None if option.default is None else parse(option.default)
+            group.addoption(option.flag, type=parse, default=default, help=option.help)
+
+
+def configure_grid(config) -> Grid:
+    """The options as one Grid, checked as a whole; kept in the config's stash for `grid_of`."""
+    values = {dest: config.getoption(dest) for dest in OPTIONS}
+    if values["presets"] == ["all"]:
+        values["presets"] = list(PRESETS)
+    for dest in PRESET_OPTIONS:
+        for name in values[dest] if isinstance(values[dest], list) else [values[dest]]:
+            if name not in PRESETS:
+                raise pytest.UsageError(f"{OPTIONS[dest].flag}: unknown preset {name!r}; choose from "
+                                        f"{', '.join(PRESETS)}")
+    if values["max_context"] < values["contexts"][0]:
+        raise pytest.UsageError(f"--max-context {values['max_context']} is below the first of --contexts "
+                                f"({values['contexts'][0]}): the context search would run nothing")
+    grid = config.stash[GRID] = Grid(values)
+    return grid
+
+
+def grid_of(config) -> Grid:
+    return config.stash[GRID]
+
+
+def points_or_usage_error(points: list, test: str, options: str, why: str) -> list:
+    """A bench's points, or a usage error naming the options that left none."""
+    if not points:
+        raise pytest.UsageError(f"{options} select no point of {test}: {why}")
+    return points

@@ -1,0 +1,207 @@
+"""Points of several ranks: the all-reduce (bench_allreduce), data-parallel steps and optimizer sharding
+(bench_ddp), FSDP beside DDP (bench_fsdp) and the whole training step the leaderboard times (bench_fullstep).
+
+The ranks time themselves (systems.parallel.train: CUDA events on a GPU); a phase's seconds are the mean over
+ranks of each rank's median over the timed steps. Model FLOPs as systems.bench.schema.model's, per GPU; the full
+step counts the leaderboard's way (Flops.flash_step: attention's backward 2.5x its forward).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from systems.accounting.checkpointing import Checkpointing
+from systems.bench.breakdown import StepBreakdown
+from systems.bench.schema.base import Measured, Point, Throughput
+from systems.model import Attention
+from systems.parallel.fsdp import Gather
+from systems.parallel.spec import Optimizer, Variant
+from systems.precision import Precision
+
+# One process and torch's DistributedDataParallel come first, in grids and tables: the others compare with them.
+DDP_VARIANTS = (Variant.SINGLE, Variant.TORCH, Variant.NAIVE, Variant.FLAT, Variant.INDIVIDUAL, Variant.BUCKETED)
+# The FSDP comparison: one process, our bucketed DDP, our FSDP, torch's FSDP2.
+FSDP_VARIANTS = (Variant.SINGLE, Variant.BUCKETED, Variant.FSDP, Variant.FSDP2)
+
+
+@dataclass(frozen=True)
+class AllReduceMeasured(Measured):
+    """Per call: one all-reduce at a time, after a barrier, ended by a synchronize. Back to back: nccl-tests'
+    time per all-reduce over `loop_calls` issued without host synchronization (None in runs made before it
+    was), and a bare uninterrupted loop of them. Bus bandwidth = algbw · 2(n−1)/n."""
+
+    bytes: int
+    warmup_calls: int
+    rounds: int
+    loop_calls: int | None
+    latency_s: float
+    latency_spread_s: float  # between the ranks' medians
+    latency_busbw_gbps: float
+    loop_time_s: float | None
+    loop_spread_s: float | None
+    algbw_gbps: float | None
+    busbw_gbps: float | None
+    bare_time_s: float | None
+    bare_busbw_gbps: float | None
+    loop_vs_bare: float | None  # bare time / back-to-back time: 1 when the rounds' barriers cost nothing
+
+    def seconds(self, mean: float) -> float | None:
+        return self.loop_time_s
+
+
+class AllReducePoint(Point, kind="allreduce", measured=AllReduceMeasured):
+    backend: str
+    world_size: int
+    size_mb: float
+
+    def __str__(self) -> str:
+        return f"{self.backend}-{self.world_size}ranks-{self.size_mb:g}MiB"
+
+
+@dataclass(frozen=True)
+class Phases:
+    """A training step and its phases, seconds: waiting in finish_gradient_synchronization for communication,
+    and (our FSDP) the time the compute stream waited on all-gathers prefetch did not hide."""
+
+    step_s: float
+    forward_s: float
+    backward_s: float
+    comm_wait_s: float
+    optimizer_s: float
+    gather_wait_s: float | None
+
+
+@dataclass(frozen=True)
+class TrainingMeasured(Measured):
+    """What a rank-timed training step measured. Memory: per moment (construction, before and after the
+    optimizer step) the largest rank's peak, MiB, on a GPU."""
+
+    backend: str
+    phases: Phases
+    tokens_per_s: float  # over all ranks
+    throughput: Throughput  # per GPU
+    memory_mb: dict[str, float] | None
+    config: dict
+
+    def seconds(self, mean: float) -> float:
+        return self.phases.step_s
+
+    def peak_mb(self) -> float | None:
+        return None if self.memory_mb is None else max(self.memory_mb.values())
+
+
+@dataclass(frozen=True)
+class DDPMeasured(TrainingMeasured):
+    step_spread_s: float  # between the ranks' median steps
+    comm_share: float  # comm_wait / step
+
+
+class DDPPoint(Point, kind="ddp", measured=DDPMeasured):
+    variant: Variant  # one of DDP_VARIANTS
+    bucket_size_mb: float | None  # DDPBucketed's, and torch DDP's bucket_cap_mb
+    preset: str
+    edition: str
+    precision: Precision
+    batch: int  # per rank
+    context: int
+    world_size: int
+
+    def __str__(self) -> str:
+        bucket = "" if self.bucket_size_mb is None else f"-{self.bucket_size_mb:g}MiB"
+        return (f"{self.variant}{bucket}-{self.preset}-{self.edition}-{self.precision.name}-b{self.batch}"
+                f"-ctx{self.context}-{self.world_size}ranks")
+
+
+@dataclass(frozen=True)
+class OptimizerMeasured(Measured):
+    state_mb: list[float]  # optimizer state per rank
+    unsharded_state_mb: float
+    state_fraction: float  # the largest rank's share of the unsharded state
+    ideal_fraction: float  # 1 / ranks
+    optimizer_s: float
+    step_s: float
+    memory_mb: dict[str, float] | None
+
+    def seconds(self, mean: float) -> float:
+        return self.step_s
+
+    def peak_mb(self) -> float | None:
+        return None if self.memory_mb is None else max(self.memory_mb.values())
+
+
+class OptimizerPoint(Point, kind="optimizer", measured=OptimizerMeasured):
+    """AdamW, ShardedOptimizer (ZeRO-1) or torch's ZeroRedundancyOptimizer, under DDPBucketed."""
+
+    optimizer: Optimizer
+    preset: str
+    edition: str
+    precision: Precision
+    batch: int  # per rank
+    context: int
+    world_size: int
+
+    def __str__(self) -> str:
+        return (f"{self.optimizer}-{self.preset}-{self.edition}-{self.precision.name}-b{self.batch}-ctx{self.context}"
+                f"-{self.world_size}ranks")
+
+
+@dataclass(frozen=True)
+class FSDPMeasured(TrainingMeasured):
+    predicted_peak_mb: float | None  # the largest rank's (systems.accounting); None for FSDP2, not modelled
+    peak_gathered_mb: float | None  # our FSDP's gathered weights held at once
+    breakdown_per_rank: list[StepBreakdown] | None  # one profiled step per rank, on a GPU
+
+
+def _levers(variant: Variant, gather: Gather | None, prefetch: int | None) -> str:
+    """Our FSDP's levers in an id; the other variants have none."""
+    return f"-{gather}-prefetch{prefetch}" if variant == Variant.FSDP else ""
+
+
+class FSDPPoint(Point, kind="fsdp", measured=FSDPMeasured):
+    variant: Variant  # one of FSDP_VARIANTS
+    preset: str
+    edition: str
+    precision: Precision
+    batch: int  # per rank
+    context: int
+    world_size: int
+    gather: Gather | None  # our FSDP's (None for the other variants)
+    prefetch: int | None
+
+    def __str__(self) -> str:
+        return (f"{self.variant}-{self.preset}-{self.edition}-{self.precision.name}-b{self.batch}-ctx{self.context}"
+                f"-{self.world_size}ranks{_levers(self.variant, self.gather, self.prefetch)}")
+
+
+@dataclass(frozen=True)
+class FullStepMeasured(FSDPMeasured):
+    do_bench_s: float | None  # the leaderboard's figure: do_bench's median on the slowest rank (GPU)
+    cold_start_s: float | None  # from the pytest process's start to the end of the point's timed job
+    step_pflop: float  # the leaderboard's model FLOPs of a step, all ranks
+    recomputed_tflop: float  # per rank, beside them
+    peak_memory_mb_per_rank: list[float] | None
+
+
+class FullStepPoint(Point, kind="fullstep", measured=FullStepMeasured):
+    """A whole training step with its levers: a variant of systems.parallel.train (our FSDP for the leaderboard's
+    model), the attention backend, a checkpointing scheme and the cross-entropy `loss_chunk` tokens at a time
+    (None: the whole logits)."""
+
+    variant: Variant
+    preset: str
+    edition: str
+    precision: Precision
+    batch: int  # per rank
+    context: int
+    world_size: int
+    attention: Attention
+    checkpoint: Checkpointing
+    loss_chunk: int | None
+    gather: Gather | None
+    prefetch: int | None
+
+    def __str__(self) -> str:
+        loss = "full" if self.loss_chunk is None else f"chunk{self.loss_chunk}"
+        return (f"{self.variant}-{self.preset}-{self.edition}-{self.precision.name}-b{self.batch}-ctx{self.context}"
+                f"-{self.world_size}ranks-{self.attention}-ckpt-{self.checkpoint}-loss-{loss}"
+                f"{_levers(self.variant, self.gather, self.prefetch)}")

@@ -1,0 +1,111 @@
+"""What a data-parallel training run is: `TrainSpec`, every lever of it typed and checked once.
+
+A lever arrives as text (an option, torchrun's command line) or as its object; `TrainSpec` turns text into the
+object with the lever's own parser (`get_precision`, `Checkpointing.parse`, `Attention`, `Gather`, `Variant`,
+`Optimizer`) and keeps the object. `parallelize` (systems.parallel.parallelize) and `train`
+(systems.parallel.train) read it; it imports nothing of torch.distributed, so reading a history does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+from systems.accounting.checkpointing import Checkpointing
+from systems.accounting.transformer import checkpoint_levels
+from systems.loss import check_chunk
+from systems.model import Attention, TransformerConfig, get_config
+from systems.parallel.fsdp import DEFAULT_GATHER, DEFAULT_PREFETCH, Gather, check_prefetch
+from systems.precision import PRECISIONS, Precision, get_precision
+
+
+class _Choice(enum.StrEnum):
+    @classmethod
+    def _missing_(cls, value):
+        raise ValueError(f"unknown {cls.__name__.lower()} {value!r}; choose from {', '.join(cls)}")
+
+
+class Variant(_Choice):
+    """How the ranks share a step: one process alone; our DDP variants (systems.parallel.ddp); torch's
+    DistributedDataParallel; our FSDP; torch's FSDP2 (`fully_shard`)."""
+
+    SINGLE = "single"
+    NAIVE = "naive"
+    FLAT = "flat"
+    INDIVIDUAL = "individual"
+    BUCKETED = "bucketed"
+    TORCH = "torch"
+    FSDP = "fsdp"
+    FSDP2 = "fsdp2"
+
+    @property
+    def sharded(self) -> bool:
+        """Shards weights, gradients and optimizer state, computing in the precision's compute dtype (weights
+        cast before the all-gathers) instead of under autocast."""
+        return self in (Variant.FSDP, Variant.FSDP2)
+
+    @property
+    def bucketed(self) -> bool:
+        """Takes a bucket size: DDPBucketed's, torch DDP's bucket_cap_mb."""
+        return self in (Variant.BUCKETED, Variant.TORCH)
+
+
+class Optimizer(_Choice):
+    """AdamW on every rank; ShardedOptimizer (ZeRO-1) over our AdamW; torch's ZeroRedundancyOptimizer."""
+
+    ADAMW = "adamw"
+    SHARDED = "sharded"
+    ZERO = "zero"
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    preset: str = "tiny"
+    variant: Variant = Variant.BUCKETED
+    bucket_size_mb: float | None = 25.0  # bucketed and torch; None: one bucket (bucketed only)
+    optimizer: Optimizer = Optimizer.ADAMW
+    precision: Precision = PRECISIONS["fp32"]  # bf16-weights all-reduces bf16 gradients
+    batch_size: int = 4  # per rank
+    context: int = 128
+    warmup: int = 2
+    steps: int = 5  # timed, after the warm-up steps
+    lr: float = 1e-3
+    seed: int = 0
+    # The model's levers (systems.model.TransformerConfig): which blocks the backward recomputes, tokens per
+    # chunk of the chunked cross-entropy (None: the whole logits), the attention backend.
+    checkpoint: Checkpointing = Checkpointing(())
+    loss_chunk: int | None = None
+    attention: Attention = Attention.SDPA
+    fsdp_prefetch: int = DEFAULT_PREFETCH  # our FSDP's all-gathers in flight ahead of the computing layer
+    fsdp_gather: Gather = DEFAULT_GATHER  # our FSDP's collectives: one per layer's weight, or one per block
+
+    def __post_init__(self):
+        parsers = {"variant": Variant, "optimizer": Optimizer, "precision": get_precision, "attention": Attention,
+                   "fsdp_gather": Gather, "checkpoint": _checkpointing}
+        for name, parse in parsers.items():
+            object.__setattr__(self, name, parse(getattr(self, name)))
+        if self.variant.sharded and self.optimizer != Optimizer.ADAMW:
+            raise ValueError(f"{self.variant} shards the optimizer state itself: use optimizer 'adamw'")
+        if self.variant == Variant.TORCH and self.bucket_size_mb is None:
+            raise ValueError("torch's DistributedDataParallel needs a bucket size")
+        if self.bucket_size_mb is not None and not self.bucket_size_mb > 0:
+            raise ValueError(f"bucket_size_mb must be positive or None, got {self.bucket_size_mb}")
+        check_prefetch(self.fsdp_prefetch)
+        if self.loss_chunk is not None:
+            check_chunk(self.loss_chunk)
+        if min(self.batch_size, self.context, self.steps) < 1 or self.warmup < 0:
+            raise ValueError("batch_size, context and steps must be positive and warmup non-negative")
+        get_config(self.preset, context_length=self.context)  # a known preset that takes this context
+
+    def config(self, device: str = "cuda") -> TransformerConfig:
+        """The model this run trains; `device` ("cuda" or "cpu") decides nested checkpointing's sizes."""
+        base = get_config(self.preset, context_length=self.context, loss_chunk=self.loss_chunk,
+                          attention=self.attention)
+        levels = checkpoint_levels(self.checkpoint, base, self.batch_size, self.context, self.precision,
+                                   device=device)
+        return dataclasses.replace(base, checkpoint=levels)
+
+
+def _checkpointing(scheme: Checkpointing | str) -> Checkpointing:
+    return scheme if isinstance(scheme, Checkpointing) else Checkpointing.parse(scheme)

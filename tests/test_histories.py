@@ -1,0 +1,264 @@
+"""Saved histories: points and their measurements read back whole and typed; a history of another schema, or a
+broken one, is a one-line error that names it; histories saved before the schema migrate into it once."""
+
+import dataclasses
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from histories import allreduce_measured, config, entry, phases, rate, save_run, step_breakdown
+from systems.bench import migrate
+from systems.bench.schema import (KINDS, MEASURED, POINT, AllReducePoint, DDPMeasured, DDPPoint, FSDPMeasured,
+                                  FSDPPoint, ModelMeasured, ModelPoint, Point, SchemaError,
+                                  read_measured, read_point, to_record)
+from systems.model import Attention
+from systems.parallel.fsdp import Gather
+from systems.parallel.spec import Variant
+from systems.precision import PRECISIONS
+from systems.report import main
+from systems.report.runs import load_run
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FP32, BF16 = PRECISIONS["fp32"], PRECISIONS["bf16"]
+MODEL = ModelPoint("small", "2025", 4, 128, FP32, Attention.SDPA, "eager", "forward")
+
+
+def model_entry(point: ModelPoint = MODEL, seconds: float = 0.01) -> dict:
+    return entry(point, ModelMeasured(1, 4e3, rate(1.0), None, config(point.preset, point.context)), seconds)
+
+
+def test_a_point_kind_is_registered_once():
+    """A new point class names its kind, which read_point dispatches on: a kind taken twice would make one of
+    the two classes unreadable, so declaring it is an error."""
+    with pytest.raises(ValueError, match="'fsdp' is taken by FSDPPoint"):
+        class Copy(Point, kind="fsdp", measured=FSDPMeasured):
+            variant: str
+
+
+@pytest.mark.parametrize("point", [
+    MODEL, ModelPoint("2.7b", "2026", 2, 1024, PRECISIONS["bf16-weights"], Attention.FLASH, "regional", "step"),
+    AllReducePoint("nccl", 8, 1.0), AllReducePoint("gloo", 2, 0.5),
+    DDPPoint(Variant.INDIVIDUAL, None, "xl", "2025", BF16, 16, 512, 4),
+    FSDPPoint(Variant.FSDP, "xl", "2025", BF16, 16, 512, 2, Gather.BLOCK, 3),
+    FSDPPoint(Variant.FSDP2, "xl", "2025", BF16, 16, 512, 2, None, None),
+], ids=str)
+def test_a_point_reads_back_whole_and_typed_from_its_record(point):
+    back = read_point(json.loads(json.dumps(point.to_record())))
+    assert back == point
+    assert all(type(getattr(back, f.name)) is type(getattr(point, f.name)) for f in dataclasses.fields(point))
+
+
+@pytest.mark.parametrize("broken, error", [
+    ({"context": "many"}, "model point.context: 'many' is not a int"),
+    ({"context": True}, "model point.context: True is not a int"),
+    ({"precision": "fp8"}, "unknown precision 'fp8'"),
+    ({"phase": None}, "model point.phase: null"),
+    ({"kind": "fsdp"}, "fsdp point: unknown fields attention, compile, phase"),
+], ids=["context-not-a-number", "bool-for-int", "unknown-precision", "phase-null", "wrong-kind"])
+def test_a_broken_point_is_an_error_naming_its_field(broken, error):
+    with pytest.raises(SchemaError, match=error):
+        read_point({**MODEL.to_record(), **broken})
+
+
+def test_a_measured_record_is_read_with_its_kinds_types():
+    measured = DDPMeasured("nccl", phases(0.1, gather_wait=None), 1e4, rate(50.0, 0.05), {"after_step": 1.0},
+                           config("small", 128), 0.0, 0.1)
+    record = json.loads(json.dumps(to_record(measured)))
+    assert read_measured(DDPPoint(Variant.BUCKETED, 1.0, "small", "2025", FP32, 4, 128, 2), record) == measured
+    with pytest.raises(SchemaError, match="missing field comm_share"):
+        read_measured(DDPPoint(Variant.BUCKETED, 1.0, "small", "2025", FP32, 4, 128, 2),
+                      {k: v for k, v in record.items() if k != "comm_share"})
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda h: h["benchmarks"][0]["extra_info"][POINT].update(kind="pipeline"), "unknown point kind 'pipeline'"),
+    (lambda h: h["benchmarks"][0]["extra_info"][POINT].update(shard_group=2), "unknown field shard_group"),
+    (lambda h: h["benchmarks"][0]["extra_info"][MEASURED].update(gpu_s=2.0), "unknown field gpu_s"),
+    (lambda h: h.update(systems_lab_schema=3), "saved with schema 3 (this code reads 2): a newer schema"),
+    (lambda h: h.pop("systems_lab_schema"), "python -m systems.bench.migrate"),
+    (lambda h: h["benchmarks"][0]["extra_info"].pop(MEASURED), "a point without its measurements"),
+], ids=["unknown-kind", "unknown-point-field", "unknown-measured-field", "newer-schema", "older-schema",
+        "no-measurements"])
+def test_a_history_of_another_schema_is_a_one_line_error_that_says_so(tmp_path, capsys, edit, message):
+    """Never a row merged across a field the report does not know, nor a silent blank: one line naming it."""
+    path = save_run(tmp_path / "storage", 1, [model_entry(), model_entry(dataclasses.replace(MODEL, batch=8))])
+    history = json.loads(path.read_text())
+    edit(history)
+    path.write_text(json.dumps(history))
+    assert main(["--storage", str(tmp_path / "storage"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("report: error: ") and message in err and err.count("\n") == 1
+    assert str(path) in err
+
+
+def test_a_breakdown_that_is_not_a_step_breakdown_is_a_bad_history(tmp_path, capsys):
+    point = FSDPPoint(Variant.FSDP, "xl", "2025", BF16, 16, 512, 2, Gather.BLOCK, 1)
+    measured = FSDPMeasured("nccl", phases(0.4), 1e4, rate(1.0), None, config("xl", 512), None, None,
+                            [step_breakdown(0.5, 0.4)])
+    benchmark = entry(point, measured, 0.4)
+    del benchmark["extra_info"][MEASURED]["breakdown_per_rank"][0]["recompute_s"]
+    save_run(tmp_path / "storage", 1, [benchmark])
+    assert main(["--storage", str(tmp_path / "storage"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "breakdown_per_rank[0]: missing field recompute_s" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("history, args, message", [
+    (None, (), "no benchmark history at"),
+    ("{not json", (), "is not a pytest-benchmark history"),
+    ('{"machine_info": {}}', (), "is not a pytest-benchmark history (KeyError"),
+    ('{"benchmarks": [{"name": "test_x", "fullname": "b.py::test_x"}]}', (), "(KeyError: 'stats')"),
+    ('{"benchmarks": [], "out_of_memory": 3}', (), "is not a pytest-benchmark history (TypeError"),
+    ('{"benchmarks": []}', ("--run", "7"), "run '7' matches 0 files"),
+    ('{"benchmarks": []}', ("--machine", "elsewhere"), "no saved runs for machine 'elsewhere'"),
+    ('{"benchmarks": []}', ("--run", "1-2"), "run '2' matches 0 files"),
+    ('{"benchmarks": []}', ("--run", "5-3"), "run range '5-3' counts down; write 3-5"),
+    ('{"benchmarks": []}', ("--run", "1,,2"), "empty run id in '1,,2'"),
+], ids=["no-storage", "not-json", "no-benchmarks", "no-stats", "bad-oom", "unknown-run", "unknown-machine",
+        "run-range-past-the-end", "run-range-counting-down", "empty-run-id"])
+def test_bad_history_is_a_one_line_error(tmp_path, capsys, history, args, message):
+    if history is not None:
+        path = tmp_path / "storage" / "machine" / "0001_abc_20260101_120000.json"
+        path.parent.mkdir(parents=True)
+        path.write_text(history)
+    code = main(["--storage", str(tmp_path / "storage"), "--out", str(tmp_path / "out"), *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("report: error: ") and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("out, message", [("report", "is a file; name a folder"),
+                                          ("report/tables", "cannot write into")], ids=["a-file", "under-a-file"])
+def test_an_out_folder_that_cannot_be_written_is_a_one_line_error(tmp_path, capsys, out, message):
+    save_run(tmp_path / "storage", 1, [model_entry()])
+    (tmp_path / "report").write_text("not a folder")
+    code = main(["--storage", str(tmp_path / "storage"), "--out", str(tmp_path / out)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("report: error: ") and message in err and err.count("\n") == 1
+    assert (tmp_path / "report").read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("args", [("--run", "{bad}"), ("--run", "5-3"), ("--out", "{bad}")],
+                         ids=["bad-history", "run-range-counting-down", "out-is-a-file"])
+def test_command_line_error_has_no_traceback(tmp_path, args):
+    save_run(tmp_path / "storage", 5, [model_entry()])
+    bad = tmp_path / "0001_abc_20260101_120000.json"
+    bad.write_text('{"benchmarks": [{"fullname": 1}]}')
+    command = ["--storage", str(tmp_path / "storage"), "--out", str(tmp_path / "o")]
+    command += [arg.format(bad=bad) for arg in args]
+    proc = subprocess.run([sys.executable, "-m", "systems.report", *command], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("report: error: ") and proc.stderr.count("\n") == 1
+
+
+# The same benchmarks as saved before the schema: fields among the figures, levers missing, old names.
+OLD_BENCHMARKS = [
+    {"name": "test_model[small-ctx128-fp32-eager-forward]",
+     "fullname": "benches/bench_model.py::test_model[small-ctx128-fp32-eager-forward]",
+     "extra_info": dict(preset="small", context=128, precision="fp32", compile="eager", phase="forward", batch_size=4,
+                        attention="sdpa", parameters=1, tokens_per_s=4e3, tflops=1.0)},
+    {"name": "test_allreduce[nccl-2ranks-1MiB]", "fullname": "benches/bench_allreduce.py::test_allreduce[nccl-2ranks-1MiB]",
+     "extra_info": dict(backend="nccl", world_size=2, size_mb=1.0, bytes=2**20, warmup_calls=5, calls=20, time_s=4e-5,
+                        time_spread_s=1e-6, busbw_gbps=2**20 / 4e-5 / 1e9, bare_busbw_gbps=210.0)},
+    {"name": "test_fsdp_step[fsdp-xl-bf16-ctx512-b16-2ranks]",
+     "fullname": "benches/bench_fsdp.py::test_fsdp_step[fsdp-xl-bf16-ctx512-b16-2ranks]",
+     "extra_info": {POINT: dict(kind="fsdp", variant="fsdp", preset="xl", precision="bf16", context=512, batch_size=16,
+                                world_size=2),
+                    **dict(backend="nccl", step_s=0.4, forward_s=0.03, backward_s=0.06, comm_wait_s=0.0,
+                           optimizer_s=0.01, gather_wait_s=0.002, tokens_per_s=1e4, tflops=1.0,
+                           predicted_peak_mb=1000.0, memory_after_step_mb=900.0)}},
+]
+
+
+def test_a_history_saved_before_the_schema_migrates_into_it_once(tmp_path):
+    """Its report after migration is the report of the same benchmarks saved the schema's way; a migrated
+    history is left alone."""
+    old = save_run(tmp_path / "old", 1, [{**b, "group": None, "params": {}, "param": "", "options": {},
+                                          "stats": entry(MODEL, ModelMeasured(1, None, None, None, {}), 0.4)["stats"]}
+                                         for b in OLD_BENCHMARKS])
+    history = json.loads(old.read_text())
+    del history["systems_lab_schema"]
+    history["out_of_memory"] = [{"name": "test_model[small-ctx256-fp32-eager-step]", "error": "CUDA out of memory",
+                                 "fullname": "benches/bench_model.py::test_model[small-ctx256-fp32-eager-step]"}]
+    old.write_text(json.dumps(history))
+    assert migrate.main([str(old)]) == 0
+    migrated = old.read_text()
+    assert migrate.main([str(old)]) == 0 and old.read_text() == migrated
+
+    fsdp = FSDPPoint(Variant.FSDP, "xl", "2025", BF16, 16, 512, 2, Gather.LAYER, 1)  # what ours ran with then
+    new = [entry(MODEL, ModelMeasured(1, 4e3, rate(1.0), None, config("small", 128)), 0.4),
+           entry(AllReducePoint("nccl", 2, 1.0), allreduce_measured(2**20, 4e-5, None), 0.4),
+           entry(fsdp, FSDPMeasured("nccl", phases(0.4, gather_wait=0.002), 1e4, rate(1.0), {"after_step": 900.0},
+                                    config("xl", 512), 1000.0, None, None), 0.4)]
+    save_run(tmp_path / "new", 1, new, oom=[dataclasses.replace(MODEL, context=256, phase="step")])
+    assert [b["name"] for b in json.loads(migrated)["benchmarks"]] == [b["name"] for b in new]
+    tables = {}
+    for form in ("old", "new"):
+        assert main(["--storage", str(tmp_path / form), "--out", str(tmp_path / f"{form}-report")]) == 0
+        tables[form] = {path.name: path.read_text() for path in (tmp_path / f"{form}-report").glob("*.md")
+                        if path.name != "report.md"}
+    assert tables["old"] == tables["new"] and "OOM" in tables["new"]["model.md"]
+
+
+def test_migration_knows_every_kind():
+    assert migrate.MEASURED_OF.keys() == KINDS.keys()
+
+
+BENCH = """
+import pytest
+import torch
+
+from systems.bench.schema import ModelMeasured, ModelPoint
+from systems.bench.timing import record_measured, record_point
+from systems.precision import PRECISIONS
+
+POINTS = [ModelPoint("tiny", "2025", 4, context, PRECISIONS["fp32"], "sdpa", "eager", phase)
+          for context in (64, 128, 256) for phase in ("forward", "step")]
+
+@pytest.mark.parametrize("point", POINTS, ids=str)
+def test_model(benchmark, skip_on_oom, point):
+    record_point(benchmark, point)
+    with skip_on_oom:
+        if point.context == 256 and point.phase == "step":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        benchmark.pedantic(sum, args=(range(point.context),), rounds=3)
+    record_measured(benchmark, ModelMeasured(1, None, None, None, {}))
+"""
+
+
+def test_report_of_a_real_benchmark_run(inner_pytest, tmp_path):
+    """pytest-benchmark and the plugin write the history; the report reads it, out-of-memory point included."""
+    inner_pytest.mkdir("benches")
+    (inner_pytest.path / "benches" / "bench_model.py").write_text(BENCH)
+    ran = inner_pytest.runpytest_subprocess("benches/bench_model.py", "-p", "no:cacheprovider", "-o",
+                                            "python_files=bench_*.py", "--benchmark-autosave")
+    ran.assert_outcomes(passed=5, skipped=1)
+    [history] = (inner_pytest.path / ".benchmarks").glob("*/*.json")
+    [oom] = json.loads(history.read_text())["out_of_memory"]
+    assert read_point(oom[POINT]) == ModelPoint("tiny", "2025", 4, 256, FP32, "sdpa", "eager", "step")
+    assert main(["--storage", str(inner_pytest.path / ".benchmarks"), "--out", str(tmp_path)]) == 0
+    run = load_run(history)
+    assert {r.point.context for r in run.results} == {64, 128, 256}
+    rows = [line for line in (tmp_path / "model.md").read_text().splitlines() if line.startswith("| tiny")]
+    assert [row.split(" | ")[1] for row in rows] == ["64", "128", "256"] and rows[-1].endswith("| OOM |")
+    assert (tmp_path / "model_forward.png").exists()
+
+
+def test_recording_another_kinds_measurements_is_an_error(inner_pytest):
+    inner_pytest.makepyfile(test_wrong="""
+        from systems.bench.schema import AllReducePoint, WarmupMeasured
+        from systems.bench.timing import record_measured, record_point
+
+        def test_wrong(benchmark):
+            record_point(benchmark, AllReducePoint("gloo", 2, 1.0))
+            benchmark(sum, [1])
+            record_measured(benchmark, WarmupMeasured(None, {}))
+    """)
+    ran = inner_pytest.runpytest_subprocess("-p", "no:cacheprovider")
+    ran.assert_outcomes(failed=1)
+    ran.stdout.fnmatch_lines(["*AllReducePoint measures AllReduceMeasured, not WarmupMeasured*"])

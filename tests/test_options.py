@@ -1,0 +1,111 @@
+"""The benchmark grids' options: each parsed by its lever's parser into the typed Grid, a bad value or a grid that
+selects nothing a usage error at start-up naming the option, and the plugin visible wherever it is installed."""
+
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+from systems.accounting import Checkpointing
+from systems.attention import BENCHED_BACKENDS
+from systems.model import PRESETS, Attention
+from systems.parallel.fsdp import Gather
+from systems.parallel.spec import Variant
+from systems.precision import PRECISIONS
+
+NOTHING = "def test_nothing(): pass"
+GRID = """
+import json, pathlib
+from systems.bench.options import grid_of
+
+def test_grid(request):
+    grid = grid_of(request.config)
+    pathlib.Path("grid.json").write_text(json.dumps({name: repr(value) for name, value in grid.values.items()}))
+"""
+
+
+@pytest.mark.parametrize("option, message", [
+    ("--attn-impls=naive,tritno", "--attn-impls: unknown implementation 'tritno'; choose from "
+                                  + ", ".join(BENCHED_BACKENDS)),
+    ("--attn-precisions=fp8", "--attn-precisions: unknown precision 'fp8'; choose from fp32, bf16, fp16"),
+    ("--attn-precisions=bf16-weights", "--attn-precisions: unknown precision 'bf16-weights'"),
+    ("--precisions=fp32,fp8", "--precisions: unknown precision 'fp8'"),
+    ("--presets=huge", f"--presets: unknown preset 'huge'; choose from {', '.join(PRESETS)}"),
+    ("--ddp-preset=nope", "--ddp-preset: unknown preset 'nope'"),
+    ("--attention=flsh", f"--attention: unknown attention backend 'flsh'; choose from {', '.join(Attention)}"),
+    ("--allreduce-backends=mpi", "--allreduce-backends: unknown backend 'mpi'; choose from gloo, nccl"),
+    ("--fsdp-gather=blocks", f"--fsdp-gather: unknown gather 'blocks'; choose from {', '.join(Gather)}"),
+    ("--fsdp-prefetch=0", "--fsdp-prefetch: prefetch must be at least 1, got 0"),
+    ("--fullstep-variant=ddp", "--fullstep-variant: unknown variant 'ddp'; choose from " + ", ".join(Variant)),
+    ("--checkpoint=every0", "--checkpoint: checkpointing 'every0': segment sizes must be positive"),
+    ("--checkpoint=4", "--checkpoint: unknown checkpointing '4'"),
+    ("--loss-chunk=0", "--loss-chunk: 0 is not positive"),
+    ("--loss-chunk=2.5", "--loss-chunk: '2.5' is not a valid"),
+    ("--edition=2027", "--edition: unknown edition '2027'; choose from 2025, 2026"),
+    ("--world-sizes=0", "--world-sizes: 0 is not positive"),
+    ("--world-sizes=2,-2", "--world-sizes: -2 is not positive"),
+    ("--contexts=-5", "--contexts: -5 is not positive"),
+    ("--compile-contexts=0", "--compile-contexts: 0 is not positive"),
+    ("--attn-seqs=0", "--attn-seqs: 0 is not positive"),
+    ("--batch-size=0", "--batch-size: 0 is not positive"),
+    ("--rounds=0", "--rounds: 0 is not positive"),
+    ("--warmup-steps=-1", "--warmup-steps: -1 is not zero or more"),
+    ("--allreduce-sizes-mb=0", "--allreduce-sizes-mb: 0.0 is not positive"),
+    ("--bucket-sizes-mb=1,nan", "--bucket-sizes-mb: nan is not positive"),
+    ("--contexts=,", "--contexts: no values given"),
+    ("--contexts=128,12x", "--contexts: '12x' is not a valid int"),
+    ("--max-context=16", "--max-context 16 is below the first of --contexts (128): the context search would run "
+                         "nothing"),
+])
+def test_a_bad_grid_option_is_a_usage_error_at_start_up(inner_pytest, option, message):
+    inner_pytest.makepyfile(test_nothing=NOTHING)
+    ran = inner_pytest.runpytest_subprocess(option, "--collect-only", "-p", "no:cacheprovider")
+    assert ran.ret == pytest.ExitCode.USAGE_ERROR
+    assert message in ran.stderr.str()
+
+
+def test_options_become_their_levers_in_one_typed_grid(inner_pytest):
+    """The benches get objects, not text: a precision, a checkpointing scheme, a gather, a variant."""
+    inner_pytest.makepyfile(test_grid=GRID)
+    ran = inner_pytest.runpytest_subprocess("--presets=all", "--compile-contexts=", "--precisions=bf16-weights",
+                                            "--checkpoint=none,every4,6x1,nested", "--fsdp-gather=layer,block",
+                                            "--fullstep-variant=fsdp2", "--loss-chunk=full",
+                                            "--attn-impls=" + ",".join(BENCHED_BACKENDS), "--warmup-steps=0",
+                                            "--bucket-sizes-mb=0.5,100", "-p", "no:cacheprovider")
+    assert ran.ret == pytest.ExitCode.OK, ran.stderr.str()
+    grid = json.loads((inner_pytest.path / "grid.json").read_text())
+    assert grid["presets"] == repr(list(PRESETS))
+    assert grid["precisions"] == repr([PRECISIONS["bf16-weights"]])
+    assert grid["checkpoint"] == repr([Checkpointing.parse(text) for text in ("none", "every4", "6x1", "nested")])
+    assert grid["fsdp_gather"] == repr([Gather.LAYER, Gather.BLOCK])
+    assert grid["fullstep_variant"] == repr(Variant.FSDP2) and grid["loss_chunk"] == "None"
+    assert grid["compile_contexts"] == "[]" and grid["bucket_sizes_mb"] == "[0.5, 100.0]"
+
+
+@pytest.mark.parametrize("bench, options, message", [
+    ("bench_fsdp.py", ["--world-sizes=1"], "--world-sizes select no point of test_fsdp_step: FSDP needs 2 ranks"),
+    ("bench_allreduce.py", ["--world-sizes=1"], "--world-sizes select no point of test_allreduce"),
+    ("bench_ddp.py", ["--world-sizes=1", "-k", "optimizer"], "--world-sizes select no point of "
+                                                              "test_optimizer_memory"),
+])
+def test_a_grid_that_selects_no_point_of_a_bench_is_an_error_naming_the_options(inner_pytest, bench, options,
+                                                                               message):
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ran = inner_pytest.runpytest_subprocess(os.path.join(root, "benches", bench), *options, "--collect-only",
+                                            "-p", "no:cacheprovider", "-o", "python_files=bench_*.py")
+    assert ran.ret != pytest.ExitCode.OK
+    assert message in ran.stdout.str() + ran.stderr.str()
+
+
+@pytest.mark.skipif(not any(ep.name == "systems.bench.plugin" for ep in entry_points(group="pytest11")),
+                    reason="the package is not installed (pip install -e .), so no entry point registers the plugin")
+def test_installed_the_plugin_is_in_any_projects_pytest(tmp_path):
+    """A course repository gets the options without a conftest of ours: the pytest11 entry point loads it."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
+    help_text = subprocess.run([sys.executable, "-m", "pytest", "--help"], cwd=tmp_path, env=env,
+                               capture_output=True, text=True, timeout=300).stdout
+    assert "what the benchmarks sweep" in help_text and "--presets=PRESETS" in help_text
+    assert "--benchmark-gate-against=REV" in help_text

@@ -1,0 +1,172 @@
+"""`pytest -n N`: each worker's and spawned rank's share of the cores, GPU tests that could not run named in the
+summary, benchmarks refused without GPUs, and on a GPU host items holding their GPUs alone and every worker's
+benchmarks saved as one history. The GPU runs are inner pytest runs over the GPUs this test holds."""
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from pytest_benchmark.stats import Metadata
+
+from systems.bench.leases import available_cores, thread_share
+from systems.bench.workers import _metadata
+
+HARDWARE = """
+import pytest
+
+@pytest.mark.gpu
+def test_needs_a_gpu(): pass
+
+@pytest.mark.multigpu(64)
+def test_needs_many(): pass
+
+def test_cpu(): pass
+"""
+
+
+def test_the_summary_names_the_gpu_tests_that_could_not_run_and_why(inner_pytest):
+    inner_pytest.makepyfile(test_hardware=HARDWARE)
+    ran = inner_pytest.runpytest_subprocess("-p", "no:cacheprovider")
+    gpus = torch.cuda.device_count()
+    ran.assert_outcomes(passed=1 + (gpus > 0), skipped=2 - (gpus > 0))
+    ran.stdout.re_match_lines([r"=+ GPU tests =+", rf"{int(gpus > 0)} ran, {2 - (gpus > 0)} could not run",
+                               rf"  1 needs 64 GPUs, this machine has {gpus}: test_hardware.py"])
+
+
+THREADS = """
+import json, os, torch
+from systems.parallel.ranks import launch
+
+def rank_threads():
+    return torch.get_num_threads()
+
+def test_threads():
+    record = dict(worker=torch.get_num_threads(), omp=os.environ["OMP_NUM_THREADS"], ranks=launch(rank_threads, 2))
+    with open(os.environ["PYTEST_XDIST_WORKER"] + ".json", "w") as file:
+        json.dump(record, file)
+"""
+
+
+def test_workers_and_their_ranks_use_their_share_of_the_cores(inner_pytest):
+    """Two workers each get half the cores this test has, and a two-rank group a worker spawns half of that."""
+    inner_pytest.makepyfile(test_threads=THREADS)
+    ran = inner_pytest.runpytest_subprocess("-n", "2", "--dist", "each", "-p", "no:cacheprovider")
+    ran.assert_outcomes(passed=2)
+    share = thread_share(available_cores(), 2)
+    for worker in ("gw0", "gw1"):
+        record = json.loads((inner_pytest.path / f"{worker}.json").read_text())
+        assert record == {"worker": share, "omp": str(share), "ranks": [max(1, share // 2)] * 2}
+
+
+CPU_BENCH = """
+def test_sum(benchmark):
+    benchmark(sum, range(100))
+"""
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU host benchmarks run under -n")
+def test_benchmarks_under_xdist_without_gpus_are_refused_before_anything_runs(inner_pytest):
+    inner_pytest.makepyfile(test_bench=CPU_BENCH)
+    refused = inner_pytest.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider")
+    assert refused.ret == pytest.ExitCode.USAGE_ERROR
+    refused.stdout.fnmatch_lines(["*benchmarks under -n need GPUs, each point timed on its own*"])
+    assert "passed" not in refused.stdout.str()
+    untimed = inner_pytest.runpytest_subprocess("-n", "2", "--benchmark-disable", "-p", "no:cacheprovider")
+    untimed.assert_outcomes(passed=1)
+
+
+def test_a_workers_benchmark_reaches_the_controller_as_it_was_timed(inner_pytest):
+    """What a worker sends (pytest-benchmark's own record, its rounds included) becomes the controller's record of
+    the same benchmark: the history written from it is the one a serial run writes."""
+    inner_pytest.makepyfile(test_bench=CPU_BENCH + "    benchmark.extra_info['x'] = 1\n")
+    inner_pytest.runpytest_subprocess("-p", "no:cacheprovider", "--benchmark-json=serial.json").assert_outcomes(
+        passed=1)
+    [saved] = json.loads((inner_pytest.path / "serial.json").read_text())["benchmarks"]
+    metadata = _metadata(saved)
+    assert isinstance(metadata, Metadata) and metadata.fullname == saved["fullname"]
+    assert metadata.as_dict(include_data=True) == saved
+
+
+GPU_POINTS = """
+import json, os, time, pytest, torch
+
+@pytest.mark.parametrize("n", range(6))
+def test_point(benchmark, device, n):
+    start = time.time()
+    x = torch.randn(2048, 2048, device=device)
+    benchmark.pedantic(lambda: (x @ x, torch.cuda.synchronize()), rounds=20)
+    benchmark.extra_info.update(gpu=str(torch.cuda.get_device_properties(device).uuid), start=start, end=time.time())
+
+@pytest.mark.multigpu(2)
+def test_pair(benchmark):
+    start = time.time()
+    benchmark.pedantic(time.sleep, args=(0.01,), rounds=5)
+    benchmark.extra_info.update(gpus=os.environ["CUDA_VISIBLE_DEVICES"], start=start, end=time.time())
+"""
+
+
+@pytest.mark.multigpu(2)
+def test_benchmarks_under_xdist_hold_their_gpus_and_save_one_history(inner_pytest):
+    """`pytest -n 2` over two GPUs: single-GPU points of the two workers run on distinct GPUs, never two on one
+    GPU at once nor beside the pair, and the controller saves every worker's points as one history."""
+    inner_pytest.makepyfile(test_gpu_points=GPU_POINTS)
+    ran = inner_pytest.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider", "--benchmark-autosave")
+    ran.assert_outcomes(passed=7)
+    [history] = (inner_pytest.path / ".benchmarks").glob("*/*.json")
+    saved = json.loads(history.read_text())
+    assert saved["systems_lab_complete"] is True
+    points = {bench["name"]: bench["extra_info"] for bench in saved["benchmarks"]}
+    assert sorted(points) == sorted([f"test_point[{n}]" for n in range(6)] + ["test_pair"])
+    by_gpu = {}
+    for name, info in points.items():
+        for gpu in [info["gpu"]] if "gpu" in info else ["all"]:
+            by_gpu.setdefault(gpu, []).append((info["start"], info["end"]))
+    assert len(by_gpu) == 3  # two GPUs, and the pair holding both
+    spans = sorted(span for spans in by_gpu.values() for span in spans if spans is not by_gpu["all"])
+    pair = by_gpu["all"][0]
+    assert all(end <= pair[0] or start >= pair[1] for start, end in spans)
+    for gpu, gpu_spans in by_gpu.items():
+        gpu_spans.sort()
+        assert all(end <= next_start for (_, end), (next_start, _) in zip(gpu_spans, gpu_spans[1:])), gpu
+
+
+WORKER_GPUS = """
+import json, os, pytest, torch
+from systems.parallel.ranks import launch
+
+@pytest.mark.parametrize("n", range(8))
+def test_record_gpus(device, n):
+    record = dict(visible=os.environ["CUDA_VISIBLE_DEVICES"], count=torch.cuda.device_count(),
+                  uuid=str(torch.cuda.get_device_properties(device).uuid))
+    with open(os.path.join({folder!r}, os.environ["PYTEST_XDIST_WORKER"] + ".json"), "w") as file:
+        json.dump(record, file)
+
+def all_reduce_ones():
+    import torch.distributed as dist
+    ones = torch.ones(1, device="cuda")
+    dist.all_reduce(ones)
+    return ones.item()
+
+@pytest.mark.multigpu(2)
+def test_nccl_pair():
+    assert launch(all_reduce_ones, 2, backend="nccl", timeout=120) == [2.0, 2.0]
+"""
+
+
+@pytest.mark.multigpu(2)
+def test_xdist_workers_see_every_gpu_their_own_first_and_run_multi_gpu_tests(inner_pytest):
+    """`pytest -n 2` over two GPUs: each worker's cuda:0 is its own GPU, each sees both, and a two-rank NCCL test
+    runs on the pair it holds. Print the GPUs with -rP."""
+    visible = os.environ["CUDA_VISIBLE_DEVICES"].split(",")  # the two this test holds, which the inner run sees
+    inner_pytest.makepyfile(test_gpus=WORKER_GPUS.format(folder=str(inner_pytest.path)))
+    ran = inner_pytest.runpytest_subprocess("test_gpus.py", "-n", "2", "-p", "no:cacheprovider")
+    ran.assert_outcomes(passed=9)
+    records = {path.stem: json.loads(path.read_text()) for path in Path(inner_pytest.path).glob("gw*.json")}
+    assert records.keys() == {"gw0", "gw1"}
+    for worker, record in records.items():
+        print(f"{worker}: {record}")
+        home = visible[int(worker.removeprefix("gw"))]
+        assert record["visible"].split(",")[0] == home and record["count"] == 2
+    assert records["gw0"]["uuid"] != records["gw1"]["uuid"]
