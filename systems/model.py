@@ -20,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 
 from systems import attention
 from systems.device import nvtx_range
-from systems.loss import LMHead
+from systems.loss import LMHead, check_chunk
 
 
 # The systems.attention.BACKENDS a config may name: causal self-attention whose saved tensors
@@ -41,9 +41,9 @@ class TransformerConfig:
     context_length: int = 1024
     rope_theta: float = 10_000.0
     attention: str = "sdpa"
-    # Debug mode: every forward checks that the token ids lie in [0, vocab_size), at the cost of a
-    # host sync and, under torch.compile, a graph break.
-    check_tokens: bool = False
+    # Debug mode: every forward checks that the token ids, and the target ids of its loss, lie in [0, vocab_size),
+    # at the cost of a host sync and, under torch.compile, a graph break.
+    check_ids: bool = False
     # Activation checkpointing: blocks per segment at each level, outermost first. () keeps every block's
     # activations for the backward; (k,) keeps only the input of each run of k blocks and recomputes the rest
     # in the backward; (K, k) keeps the inputs of runs of K blocks, and each run's recomputation keeps only
@@ -65,12 +65,11 @@ class TransformerConfig:
             raise TypeError(f"rope_theta must be a float, got {self.rope_theta!r}")
         if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
             raise ValueError(f"rope_theta must be positive and finite, got {self.rope_theta}")
-        if not isinstance(self.check_tokens, bool):
-            raise TypeError(f"check_tokens must be a bool, got {self.check_tokens!r}")
+        if not isinstance(self.check_ids, bool):
+            raise TypeError(f"check_ids must be a bool, got {self.check_ids!r}")
         _check_checkpoint(self.checkpoint)
-        if self.loss_chunk is not None and (not isinstance(self.loss_chunk, int) or isinstance(self.loss_chunk, bool)
-                                            or self.loss_chunk < 1):
-            raise ValueError(f"loss_chunk must be None or a positive number of tokens, got {self.loss_chunk!r}")
+        if self.loss_chunk is not None:
+            check_chunk(self.loss_chunk, "loss_chunk")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if (self.d_model // self.num_heads) % 2:
@@ -236,14 +235,16 @@ class TransformerLM(nn.Module):
         """tokens: (batch, seq) integer ids -> logits (batch, seq, vocab_size); either size may be 0. With
         targets (batch, seq), the mean cross-entropy instead, as `config.loss_chunk` makes it.
 
-        The ids' range is checked only with `config.check_tokens`: the check reads them back to the host,
-        which stalls a GPU every step. Check them where batches are made instead (`check_token_ids` on the
-        host; `systems.step.random_batch` draws them in range). Unchecked, an id outside [0, vocab_size)
-        is an IndexError in the embedding on a CPU, and a device-side assert on a GPU.
+        The ids' range is checked only with `config.check_ids`: the check reads them back to the host,
+        which stalls a GPU every step. Check them where batches are made instead (`systems.step.check_batch`
+        on the host; `random_batch` does). Unchecked, an id outside [0, vocab_size) is an IndexError in the
+        embedding or the loss on a CPU, and a device-side assert on a GPU.
         """
         _check_token_shape(tokens, self.config.context_length)
-        if self.config.check_tokens:
-            check_token_ids(tokens, self.config.vocab_size)
+        if self.config.check_ids:
+            check_id_range(tokens, self.config.vocab_size, "token ids")
+            if targets is not None:
+                check_id_range(targets, self.config.vocab_size, "target ids")
         x = run_blocks(self.blocks, self.embedding(tokens), self.config.checkpoint)
         if targets is None:
             return self.lm_head(self.final_norm(x))
@@ -291,11 +292,10 @@ def _check_token_shape(tokens: torch.Tensor, context_length: int) -> None:
         raise ValueError(f"sequence length {tokens.shape[1]} exceeds context_length={context_length}")
 
 
-def check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
+def check_id_range(ids: torch.Tensor, vocab_size: int, what: str = "token ids") -> None:
     """Raise ValueError unless every id lies in [0, vocab_size). Synchronizes with the device."""
-    if ((tokens < 0) | (tokens >= vocab_size)).any():
-        raise ValueError(f"token ids must lie in [0, {vocab_size}), got ids from {tokens.min().item()} "
-                         f"to {tokens.max().item()}")
+    if ((ids < 0) | (ids >= vocab_size)).any():
+        raise ValueError(f"{what} must lie in [0, {vocab_size}), got ids from {ids.min().item()} to {ids.max().item()}")
 
 
 def _init_weights(module: nn.Module) -> None:

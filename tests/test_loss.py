@@ -103,6 +103,47 @@ def test_no_targets_and_no_chunk_are_errors():
         chunked_cross_entropy(hidden, weight, torch.zeros(*TOKENS, dtype=torch.int64), 0)
 
 
+@pytest.mark.parametrize("chunk", [2.5, True, "64", 64.0])
+def test_a_chunk_that_is_not_an_int_is_an_error(chunk):
+    hidden, weight, targets = inputs(torch.float32, logit_scale=1.0)
+    with pytest.raises(TypeError, match=f"^chunk must be a positive int, a number of tokens, got {chunk!r}"):
+        chunked_cross_entropy(hidden, weight, targets, chunk)
+
+
+def whole(hidden, weight, targets):
+    return cross_entropy(hidden @ weight.T, targets)
+
+
+def chunked(hidden, weight, targets):
+    return chunked_cross_entropy(hidden, weight, targets, 64)
+
+
+@pytest.mark.parametrize("loss", [whole, chunked])
+@pytest.mark.parametrize("drop", [0, 1], ids=["one-row-fewer", "one-position-fewer"])
+def test_targets_must_label_every_row(loss, drop):
+    """(3, 99) or (2, 100) targets for (3, 100) rows would otherwise average over the rows they share."""
+    hidden, weight, targets = inputs(torch.float32, logit_scale=1.0)
+    short = targets[:2] if drop == 0 else targets[:, :99]
+    with pytest.raises(ValueError, match=rf"one id per row of the .*: \(3, 100\), got targets of shape "
+                                         rf"\({short.shape[0]}, {short.shape[1]}\)"):
+        loss(hidden, weight, short)
+
+
+@pytest.mark.parametrize("loss", [whole, chunked])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float32])
+def test_targets_must_be_int64_ids(loss, dtype):
+    hidden, weight, targets = inputs(torch.float32, logit_scale=1.0)
+    with pytest.raises(TypeError, match=f"^targets must be int64 class ids, got {dtype}$"):
+        loss(hidden, weight, targets.to(dtype))
+
+
+def test_chunked_weight_must_match_the_hidden_width():
+    hidden, weight, targets = inputs(torch.float32, logit_scale=1.0)
+    with pytest.raises(ValueError, match=rf"weight must be \(vocab, d_model\) with d_model={WIDTH}.*\({VOCAB}, "
+                                         rf"{WIDTH - 1}\)"):
+        chunked_cross_entropy(hidden, weight[:, 1:], targets, 64)
+
+
 def test_peak_memory_is_one_chunks_logits_not_all():
     """Forward and backward hold a few (chunk, vocab) fp32 tensors at once (the logits, log-sum-exp's exp, the
     softmax made in place), beside the gradients (hidden's; the weight's fp32 sum and one chunk's term) and

@@ -7,10 +7,10 @@ import torch
 from systems.attention import BACKENDS, naive_attention
 from systems.loss import cross_entropy
 from systems.model import (ATTENTION_BACKENDS, EDITIONS, PRESETS, RMSNorm, RotaryEmbedding, SwiGLU, TransformerBlock,
-                           TransformerConfig, TransformerLM, check_token_ids, get_config)
+                           TransformerConfig, TransformerLM, check_id_range, get_config)
 from systems.optim import AdamW
 from systems.precision import PRECISIONS
-from systems.step import random_batch, train_step
+from systems.step import check_batch, random_batch, train_step
 
 # Every preset of every edition, the untied embedding and LM head included (issue 16): with vocabulary V, width d,
 # d_ff f and L blocks, L (4d² + 3df + 2d) (attention's four projections, SwiGLU's three, two norms) + 2Vd + d.
@@ -253,22 +253,59 @@ def test_cross_entropy_gradient_matches_torch():
         (torch.randint(100, (8,)), ValueError, r"\(batch, seq\)"),
     ],
 )
-@pytest.mark.parametrize("check_tokens", [False, True])
-def test_bad_token_shapes_get_clear_errors(tokens, error, match, check_tokens):
+@pytest.mark.parametrize("check_ids", [False, True])
+def test_bad_token_shapes_get_clear_errors(tokens, error, match, check_ids):
     with pytest.raises(error, match=match):
-        TransformerLM(get_config("tiny", check_tokens=check_tokens))(tokens)
+        TransformerLM(get_config("tiny", check_ids=check_ids))(tokens)
 
 
 @pytest.mark.parametrize("bad_id", [10_000, -1])
-def test_out_of_range_ids_get_a_clear_error_in_debug_mode(bad_id):
-    tokens = torch.randint(100, (2, 8))
+def test_out_of_range_token_ids_get_a_clear_error_in_debug_mode(bad_id):
+    tokens, targets = (t.clone() for t in random_batch(get_config("tiny"), 2, 8, torch.device("cpu")))  # no views
     tokens[1, 5] = bad_id
-    with pytest.raises(ValueError, match=r"\[0, 10000\)"):
-        TransformerLM(get_config("tiny", check_tokens=True))(tokens)
-    with pytest.raises(ValueError, match=r"\[0, 10000\)"):
-        check_token_ids(tokens, 10_000)
-    with pytest.raises(IndexError):  # unchecked, the CPU embedding still refuses it
+    with pytest.raises(ValueError, match=r"^token ids must lie in \[0, 10000\)"):
+        TransformerLM(get_config("tiny", check_ids=True))(tokens)
+    with pytest.raises(ValueError, match=r"^token ids must lie in \[0, 10000\)"):
+        check_batch(tokens, targets, 10_000)
+    with pytest.raises(IndexError):  # unchecked, the CPU embedding still refuses it (a GPU's asserts)
         TransformerLM(get_config("tiny"))(tokens)
+
+
+@pytest.mark.parametrize("bad_id", [10_000, -1])
+@pytest.mark.parametrize("loss_chunk", [None, 4])
+def test_out_of_range_target_ids_get_a_clear_error_in_debug_mode(bad_id, loss_chunk):
+    """An id equal to the vocabulary's size, or negative, in the targets of either loss."""
+    tokens, targets = (t.clone() for t in random_batch(get_config("tiny"), 2, 8, torch.device("cpu")))  # no views
+    targets[0, 3] = bad_id
+    with pytest.raises(ValueError, match=r"^target ids must lie in \[0, 10000\)"):
+        TransformerLM(get_config("tiny", check_ids=True, loss_chunk=loss_chunk))(tokens, targets)
+    with pytest.raises(ValueError, match=r"^target ids must lie in \[0, 10000\)"):
+        check_batch(tokens, targets, 10_000)
+    with pytest.raises((IndexError, RuntimeError)):  # unchecked: torch's error from deep inside the loss
+        TransformerLM(get_config("tiny", loss_chunk=loss_chunk))(tokens, targets)
+
+
+@pytest.mark.parametrize("loss_chunk", [None, 4])
+def test_targets_of_another_shape_than_the_tokens_are_an_error(loss_chunk):
+    """Always checked, at the loss's entry: (2, 15) targets for (2, 16) tokens would otherwise label 15 of each
+    row's 16 positions."""
+    model = TransformerLM(get_config("tiny", loss_chunk=loss_chunk))
+    tokens, targets = random_batch(model.config, 2, 16, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"targets must be one id per row of the \w+( states)?: \(2, 16\), got "
+                                         r"targets of shape \(2, 15\)"):
+        model(tokens, targets[:, :15])
+    with pytest.raises(ValueError, match=r"of one shape, got \(2, 16\) and \(2, 15\)"):
+        check_batch(tokens, targets[:, :15], 10_000)
+
+
+def test_check_batch_takes_a_good_batch_and_id_ranges_anywhere():
+    tokens, targets = random_batch(get_config("tiny"), 3, 5, torch.device("cpu"))
+    check_batch(tokens, targets, 10_000)
+    check_id_range(torch.tensor([0, 9999]), 10_000)
+    with pytest.raises(ValueError, match=r"^token ids must lie in \[0, 10000\), got ids from 0 to 10000$"):
+        check_id_range(torch.tensor([0, 10_000]), 10_000)
+    with pytest.raises(ValueError, match=r"\(batch, seq\)"):
+        check_batch(tokens.flatten(), targets.flatten(), 10_000)
 
 
 def test_forward_compiles_to_one_graph():
@@ -311,7 +348,10 @@ def test_cross_entropy_of_no_targets_is_an_error():
     ("rope_theta", math.inf, ValueError),
     ("rope_theta", math.nan, ValueError),
     ("rope_theta", "10000", TypeError),
-    ("check_tokens", 1, TypeError),
+    ("check_ids", 1, TypeError),
+    ("loss_chunk", 0, ValueError),
+    ("loss_chunk", 2.5, TypeError),
+    ("loss_chunk", True, TypeError),
 ])
 def test_bad_config_fields_are_rejected_by_name(field, value, error):
     with pytest.raises(error, match=f"^{field} must") as caught:
