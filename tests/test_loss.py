@@ -13,6 +13,7 @@ first-order bound, for the products of errors it leaves out.
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memory_probes import cpu_peak_bytes
 from systems.loss import LMHead, chunked_cross_entropy, cross_entropy
@@ -75,6 +76,36 @@ def test_autocast_runs_the_matmuls_in_bf16_and_returns_fp32_gradients():
     rounded = [t.detach().bfloat16() for t in (hidden, weight)]
     expected, bounds = reference(*rounded, targets, UNIT_ROUNDOFF[torch.bfloat16])
     check({"loss": loss, "hidden": hidden.grad, "weight": weight.grad}, expected, bounds)
+
+
+class MatmulInputs(TorchDispatchMode):
+    """Records the dtypes of every matmul's tensor inputs as aten sees them, however the Python spelled it."""
+
+    MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
+               torch.ops.aten.mv, torch.ops.aten.dot}
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in self.MATMULS:
+            self.dtypes.append({a.dtype for a in args if isinstance(a, torch.Tensor)})
+        return func(*args, **(kwargs or {}))
+
+
+def test_autocast_runs_every_matmul_in_bf16_forward_and_backward():
+    """The bound above cannot tell bf16 matmuls from fp32 ones (fp32 is more exact still): the matmuls themselves
+    must see bf16. Forward: one per chunk of 64 of the 300 tokens, 5; backward: each chunk's logits again, its
+    hidden states' gradient and its weight gradient, 15."""
+    hidden, weight, targets = inputs(torch.float32, logit_scale=10.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16), MatmulInputs() as forward:
+        loss = chunked_cross_entropy(hidden, weight, targets, 64)
+    with MatmulInputs() as backward:
+        loss.backward()
+    assert len(forward.dtypes) == 5 and len(backward.dtypes) == 15
+    assert all(dtypes == {torch.bfloat16} for dtypes in forward.dtypes + backward.dtypes), (forward.dtypes,
+                                                                                            backward.dtypes)
 
 
 def test_whole_logits_cross_entropy_matches_float64():
