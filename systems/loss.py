@@ -24,7 +24,7 @@ from systems.device import nvtx_range
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean negative log-likelihood, stable for large logits: log-sum-exp with the max taken out."""
     # logits: (..., vocab), targets: (...)
-    _check_targets(targets)
+    _check_targets(targets, logits.shape[:-1], "logits")
     logits = logits.float()
     shifted = logits - logits.amax(dim=-1, keepdim=True)
     log_norm = shifted.exp().sum(dim=-1).log()
@@ -37,7 +37,10 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     """cross_entropy(hidden @ weight.T, targets), `chunk` tokens at a time, never holding more logits than those.
 
     hidden: (..., d_model), weight: (vocab, d_model), targets: (...)."""
-    _check_targets(targets)
+    _check_targets(targets, hidden.shape[:-1], "hidden states")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be (vocab, d_model) with d_model={hidden.shape[-1]} as the hidden states' last "
+                         f"dimension, got shape {tuple(weight.shape)}")
     check_chunk(chunk)
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
@@ -89,14 +92,23 @@ def _chunks(tokens: int, chunk: int):
         yield slice(start, min(start + chunk, tokens))
 
 
-def check_chunk(chunk: int) -> int:
-    """Tokens per chunk of the chunked cross-entropy: a positive whole number."""
-    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
-        raise ValueError(f"the loss chunk must be a positive whole number of tokens, got {chunk!r}")
-    return chunk
+def check_chunk(chunk, name: str = "chunk") -> None:
+    """A chunk is a whole number of tokens, at least one (`chunked_cross_entropy`, `TransformerConfig.loss_chunk`)."""
+    if not isinstance(chunk, int) or isinstance(chunk, bool):
+        raise TypeError(f"{name} must be a positive int, a number of tokens, got {chunk!r} of type "
+                        f"{type(chunk).__name__}")
+    if chunk < 1:
+        raise ValueError(f"{name} must be a positive number of tokens, got {chunk}")
 
 
-def _check_targets(targets: torch.Tensor) -> None:
+def _check_targets(targets: torch.Tensor, rows: torch.Size, labelled: str) -> None:
+    """One int64 class id per row of what the loss labels, and at least one. Dtype and shapes only: no host sync,
+    and torch.compile traces it."""
+    if targets.dtype != torch.int64:
+        raise TypeError(f"targets must be int64 class ids, got {targets.dtype}")
+    if targets.shape != rows:
+        raise ValueError(f"targets must be one id per row of the {labelled}: {tuple(rows)}, got targets of shape "
+                         f"{tuple(targets.shape)}")
     if targets.numel() == 0:
         raise ValueError(f"cross_entropy needs at least one target to average over, got targets of shape "
                          f"{tuple(targets.shape)}")

@@ -1,4 +1,4 @@
-"""A GPT-style Transformer LM with the CS336 architecture and size presets.
+"""A GPT-style Transformer LM with the CS336 architecture and size presets, by edition of the course.
 
 Token embedding, N pre-norm blocks (RMSNorm, causal multi-head attention with RoPE, SwiGLU),
 a final RMSNorm and an untied LM head; no biases. Attention is chosen by name, and which blocks the
@@ -12,6 +12,7 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.nn as nn
@@ -49,9 +50,9 @@ class TransformerConfig:
     context_length: int = 1024
     rope_theta: float = 10_000.0
     attention: Attention = Attention.SDPA
-    # Debug mode: every forward checks that the token ids lie in [0, vocab_size), at the cost of a
-    # host sync and, under torch.compile, a graph break.
-    check_tokens: bool = False
+    # Debug mode: every forward checks that the token ids, and the target ids of its loss, lie in [0, vocab_size),
+    # at the cost of a host sync and, under torch.compile, a graph break.
+    check_ids: bool = False
     # Activation checkpointing: blocks per segment at each level, outermost first. () keeps every block's
     # activations for the backward; (k,) keeps only the input of each run of k blocks and recomputes the rest
     # in the backward; (K, k) keeps the inputs of runs of K blocks, and each run's recomputation keeps only
@@ -73,11 +74,11 @@ class TransformerConfig:
             raise TypeError(f"rope_theta must be a float, got {self.rope_theta!r}")
         if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
             raise ValueError(f"rope_theta must be positive and finite, got {self.rope_theta}")
-        if not isinstance(self.check_tokens, bool):
-            raise TypeError(f"check_tokens must be a bool, got {self.check_tokens!r}")
+        if not isinstance(self.check_ids, bool):
+            raise TypeError(f"check_ids must be a bool, got {self.check_ids!r}")
         _check_checkpoint(self.checkpoint)
         if self.loss_chunk is not None:
-            check_chunk(self.loss_chunk)
+            check_chunk(self.loss_chunk, "loss_chunk")
         if self.d_model % self.num_heads:
             raise ValueError(f"d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if (self.d_model // self.num_heads) % 2:
@@ -96,13 +97,9 @@ def _check_checkpoint(levels) -> None:
         raise ValueError(f"checkpoint segment sizes must be positive and shrink from level to level, got {levels}")
 
 
-PRESETS = {
-    "tiny": TransformerConfig(d_model=64, d_ff=256, num_layers=2, num_heads=4, context_length=256),
-    "small": TransformerConfig(d_model=768, d_ff=3072, num_layers=12, num_heads=12),
-    "medium": TransformerConfig(d_model=1024, d_ff=4096, num_layers=24, num_heads=16),
-    "large": TransformerConfig(d_model=1280, d_ff=5120, num_layers=36, num_heads=20),
-    "xl": TransformerConfig(d_model=1600, d_ff=6400, num_layers=48, num_heads=25),
-    "2.7b": TransformerConfig(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
+# Presets outside the course's tables, the same in every edition.
+_TINY = {"tiny": TransformerConfig(d_model=64, d_ff=256, num_layers=2, num_heads=4, context_length=256)}
+_LEADERBOARD = {
     # The course's 2026 leaderboard step: an 8.1B model (Qwen's vocabulary) at context 32768.
     "leaderboard-2026": TransformerConfig(d_model=4096, d_ff=11008, num_layers=34, num_heads=32, vocab_size=151_936,
                                           context_length=32_768),
@@ -110,13 +107,51 @@ PRESETS = {
     "leaderboard-2026-tiny": TransformerConfig(d_model=128, d_ff=344, num_layers=4, num_heads=32, vocab_size=4748,
                                                context_length=1024),
 }
+# Each edition's Table 1 ("model sizing"), vocabulary 10,000. The 2025 handout gives no default context: its
+# presets keep the config's 1024, as every saved history made with them did.
+_COURSE_2025 = {
+    "small": TransformerConfig(d_model=768, d_ff=3072, num_layers=12, num_heads=12),
+    "medium": TransformerConfig(d_model=1024, d_ff=4096, num_layers=24, num_heads=16),
+    "large": TransformerConfig(d_model=1280, d_ff=5120, num_layers=36, num_heads=20),
+    "xl": TransformerConfig(d_model=1600, d_ff=6400, num_layers=48, num_heads=25),
+    "2.7b": TransformerConfig(d_model=2560, d_ff=10240, num_layers=32, num_heads=32),
+}
+# The 2026 handout (26.1.x, section 2.1.2) keeps small, medium and large, makes 2025's 2.7b its "xl", adds "10B",
+# and says "use context length 512 unless otherwise specified".
+_COURSE_2026 = {
+    "small": TransformerConfig(d_model=768, d_ff=3072, num_layers=12, num_heads=12, context_length=512),
+    "medium": TransformerConfig(d_model=1024, d_ff=4096, num_layers=24, num_heads=16, context_length=512),
+    "large": TransformerConfig(d_model=1280, d_ff=5120, num_layers=36, num_heads=20, context_length=512),
+    "xl": TransformerConfig(d_model=2560, d_ff=10240, num_layers=32, num_heads=32, context_length=512),
+    "10B": TransformerConfig(d_model=4608, d_ff=12288, num_layers=50, num_heads=36, context_length=512),
+}
+# Each edition of the course's handout: its preset names. A name means one model within an edition ("xl" is
+# 1.6k wide in 2025 and 2.56k wide in 2026), so a preset is looked up by name and edition (get_config).
+EDITIONS = {
+    "2025": MappingProxyType({**_TINY, **_COURSE_2025, **_LEADERBOARD}),
+    "2026": MappingProxyType({**_TINY, **_COURSE_2026, **_LEADERBOARD}),
+}
+# 2025 by default: the preset names in histories saved before editions existed mean 2025's models.
+DEFAULT_EDITION = "2025"
+# The default edition's table, for callers that take no edition yet (the benchmark options, TrainSpec); a caller
+# that knows its edition asks EDITIONS[edition].
+PRESETS = EDITIONS[DEFAULT_EDITION]
 
 
-def get_config(preset: str, **overrides) -> TransformerConfig:
-    """The preset's config with fields replaced, e.g. `get_config("small", attention="flash")`."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose from {list(PRESETS)}")
-    return dataclasses.replace(PRESETS[preset], **overrides)
+def get_config(preset: str, edition: str = DEFAULT_EDITION, **overrides) -> TransformerConfig:
+    """The edition's preset with fields replaced, e.g. `get_config("xl", "2026", attention="flash")`."""
+    if not isinstance(edition, str):
+        raise TypeError(f"edition must be a string such as '2026', got {edition!r}")
+    if edition not in EDITIONS:
+        raise ValueError(f"unknown edition {edition!r}; choose from {', '.join(map(repr, EDITIONS))}")
+    presets = EDITIONS[edition]
+    if preset not in presets:
+        others = [other for other, names in EDITIONS.items() if preset in names]
+        if others:
+            raise ValueError(f"{preset!r} is a {others[0]} preset; pass edition={others[0]!r}")
+        listed = "; ".join(f"{name}: {', '.join(names)}" for name, names in EDITIONS.items())
+        raise ValueError(f"unknown preset {preset!r}; the editions' presets are {listed}")
+    return dataclasses.replace(presets[preset], **overrides)
 
 
 class RMSNorm(nn.Module):
@@ -208,14 +243,16 @@ class TransformerLM(nn.Module):
         """tokens: (batch, seq) integer ids -> logits (batch, seq, vocab_size); either size may be 0. With
         targets (batch, seq), the mean cross-entropy instead, as `config.loss_chunk` makes it.
 
-        The ids' range is checked only with `config.check_tokens`: the check reads them back to the host,
-        which stalls a GPU every step. Check them where batches are made instead (`check_token_ids` on the
-        host; `systems.step.random_batch` draws them in range). Unchecked, an id outside [0, vocab_size)
-        is an IndexError in the embedding on a CPU, and a device-side assert on a GPU.
+        The ids' range is checked only with `config.check_ids`: the check reads them back to the host,
+        which stalls a GPU every step. Check them where batches are made instead (`systems.step.check_batch`
+        on the host; `random_batch` does). Unchecked, an id outside [0, vocab_size) is an IndexError in the
+        embedding or the loss on a CPU, and a device-side assert on a GPU.
         """
         _check_token_shape(tokens, self.config.context_length)
-        if self.config.check_tokens:
-            check_token_ids(tokens, self.config.vocab_size)
+        if self.config.check_ids:
+            check_id_range(tokens, self.config.vocab_size, "token ids")
+            if targets is not None:
+                check_id_range(targets, self.config.vocab_size, "target ids")
         x = run_blocks(self.blocks, self.embedding(tokens), self.config.checkpoint)
         if targets is None:
             return self.lm_head(self.final_norm(x))
@@ -263,11 +300,10 @@ def _check_token_shape(tokens: torch.Tensor, context_length: int) -> None:
         raise ValueError(f"sequence length {tokens.shape[1]} exceeds context_length={context_length}")
 
 
-def check_token_ids(tokens: torch.Tensor, vocab_size: int) -> None:
+def check_id_range(ids: torch.Tensor, vocab_size: int, what: str = "token ids") -> None:
     """Raise ValueError unless every id lies in [0, vocab_size). Synchronizes with the device."""
-    if ((tokens < 0) | (tokens >= vocab_size)).any():
-        raise ValueError(f"token ids must lie in [0, {vocab_size}), got ids from {tokens.min().item()} "
-                         f"to {tokens.max().item()}")
+    if ((ids < 0) | (ids >= vocab_size)).any():
+        raise ValueError(f"{what} must lie in [0, {vocab_size}), got ids from {ids.min().item()} to {ids.max().item()}")
 
 
 def _init_weights(module: nn.Module) -> None:

@@ -12,7 +12,7 @@ from systems.accounting import (GB, TPU_V5P_BYTES, TPU_V5P_FLOPS, TPU_V5P_ICI_BA
                                 devices_to_hold, flops, fsdp_tp_compute_bound_batch, model_state,
                                 peak_memory, residual_stream_bytes)
 from systems.loss import cross_entropy
-from systems.model import PRESETS, TransformerConfig, TransformerLM, get_config
+from systems.model import EDITIONS, TransformerConfig, TransformerLM, get_config
 from systems.optim import AdamW
 from systems.precision import PRECISIONS
 from systems.step import forward_loss, make_model, random_batch, train_step
@@ -28,10 +28,10 @@ def precisions(*names):
     return [pytest.param(PRECISIONS[name], id=name) for name in names]
 
 
-@pytest.mark.parametrize("preset", PRESETS)
-def test_parameter_counts_match_the_model(preset):
+@pytest.mark.parametrize(("edition", "preset"), [(e, name) for e, presets in EDITIONS.items() for name in presets])
+def test_parameter_counts_match_the_model(edition, preset):
     with torch.device("meta"):
-        model = TransformerLM(get_config(preset))
+        model = TransformerLM(get_config(preset, edition))
     assert count_parameters(model.config) == model.num_parameters()
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert count_matmul_parameters(model.config) == linear

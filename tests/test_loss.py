@@ -13,6 +13,7 @@ first-order bound, for the products of errors it leaves out.
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memory_probes import cpu_peak_bytes
 from systems.loss import LMHead, chunked_cross_entropy, cross_entropy
@@ -77,6 +78,36 @@ def test_autocast_runs_the_matmuls_in_bf16_and_returns_fp32_gradients():
     check({"loss": loss, "hidden": hidden.grad, "weight": weight.grad}, expected, bounds)
 
 
+class MatmulInputs(TorchDispatchMode):
+    """Records the dtypes of every matmul's tensor inputs as aten sees them, however the Python spelled it."""
+
+    MATMULS = {torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm, torch.ops.aten.baddbmm,
+               torch.ops.aten.mv, torch.ops.aten.dot}
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in self.MATMULS:
+            self.dtypes.append({a.dtype for a in args if isinstance(a, torch.Tensor)})
+        return func(*args, **(kwargs or {}))
+
+
+def test_autocast_runs_every_matmul_in_bf16_forward_and_backward():
+    """The bound above cannot tell bf16 matmuls from fp32 ones (fp32 is more exact still): the matmuls themselves
+    must see bf16. Forward: one per chunk of 64 of the 300 tokens, 5; backward: each chunk's logits again, its
+    hidden states' gradient and its weight gradient, 15."""
+    hidden, weight, targets = inputs(torch.float32, logit_scale=10.0)
+    with torch.autocast("cpu", dtype=torch.bfloat16), MatmulInputs() as forward:
+        loss = chunked_cross_entropy(hidden, weight, targets, 64)
+    with MatmulInputs() as backward:
+        loss.backward()
+    assert len(forward.dtypes) == 5 and len(backward.dtypes) == 15
+    assert all(dtypes == {torch.bfloat16} for dtypes in forward.dtypes + backward.dtypes), (forward.dtypes,
+                                                                                            backward.dtypes)
+
+
 def test_whole_logits_cross_entropy_matches_float64():
     """The loss without chunks: the same bound, where only the loss's own rounding differs."""
     hidden, weight, targets = inputs(torch.float32, logit_scale=10.0)
@@ -101,6 +132,47 @@ def test_no_targets_and_no_chunk_are_errors():
         chunked_cross_entropy(hidden[:, :0], weight, torch.zeros(3, 0, dtype=torch.int64), 8)
     with pytest.raises(ValueError, match="positive number of tokens"):
         chunked_cross_entropy(hidden, weight, torch.zeros(*TOKENS, dtype=torch.int64), 0)
+
+
+@pytest.mark.parametrize("chunk", [2.5, True, "64", 64.0])
+def test_a_chunk_that_is_not_an_int_is_an_error(chunk):
+    hidden, weight, targets = inputs(torch.float32, logit_scale=1.0)
+    with pytest.raises(TypeError, match=f"^chunk must be a positive int, a number of tokens, got {chunk!r}"):
+        chunked_cross_entropy(hidden, weight, targets, chunk)
+
+
+def whole(hidden, weight, targets):
+    return cross_entropy(hidden @ weight.T, targets)
+
+
+def chunked(hidden, weight, targets):
+    return chunked_cross_entropy(hidden, weight, targets, 64)
+
+
+@pytest.mark.parametrize("loss", [whole, chunked])
+@pytest.mark.parametrize("drop", [0, 1], ids=["one-row-fewer", "one-position-fewer"])
+def test_targets_must_label_every_row(loss, drop):
+    """(3, 99) or (2, 100) targets for (3, 100) rows would otherwise average over the rows they share."""
+    hidden, weight, targets = inputs(torch.float32, logit_scale=1.0)
+    short = targets[:2] if drop == 0 else targets[:, :99]
+    with pytest.raises(ValueError, match=rf"one id per row of the .*: \(3, 100\), got targets of shape "
+                                         rf"\({short.shape[0]}, {short.shape[1]}\)"):
+        loss(hidden, weight, short)
+
+
+@pytest.mark.parametrize("loss", [whole, chunked])
+@pytest.mark.parametrize("dtype", [torch.int32, torch.float32])
+def test_targets_must_be_int64_ids(loss, dtype):
+    hidden, weight, targets = inputs(torch.float32, logit_scale=1.0)
+    with pytest.raises(TypeError, match=f"^targets must be int64 class ids, got {dtype}$"):
+        loss(hidden, weight, targets.to(dtype))
+
+
+def test_chunked_weight_must_match_the_hidden_width():
+    hidden, weight, targets = inputs(torch.float32, logit_scale=1.0)
+    with pytest.raises(ValueError, match=rf"weight must be \(vocab, d_model\) with d_model={WIDTH}.*\({VOCAB}, "
+                                         rf"{WIDTH - 1}\)"):
+        chunked_cross_entropy(hidden, weight[:, 1:], targets, 64)
 
 
 def test_peak_memory_is_one_chunks_logits_not_all():

@@ -1,3 +1,5 @@
+import dataclasses
+import json
 import math
 
 import pytest
@@ -5,33 +7,100 @@ import torch
 
 from systems.attention import BACKENDS, naive_attention
 from systems.loss import cross_entropy
-from systems.model import (PRESETS, Attention, RMSNorm, RotaryEmbedding, SwiGLU, TransformerBlock,
-                           TransformerLM, check_token_ids, get_config)
+from systems.model import (EDITIONS, PRESETS, Attention, RMSNorm, RotaryEmbedding, SwiGLU, TransformerBlock,
+                           TransformerConfig, TransformerLM, check_id_range, get_config)
 from systems.optim import AdamW
 from systems.precision import PRECISIONS
-from systems.step import random_batch, train_step
+from systems.step import check_batch, random_batch, train_step
 
+# Every preset of every edition, the untied embedding and LM head included (issue 16): with vocabulary V, width d,
+# d_ff f and L blocks, L (4d² + 3df + 2d) (attention's four projections, SwiGLU's three, two norms) + 2Vd + d.
 EXPECTED_PARAMETERS = {
-    "small": 128_625_408,
-    "medium": 423_183_360,
-    "large": 969_411_840,
-    "xl": 1_998_235_200,
-    "2.7b": 3_406_809_600,
-    "leaderboard-2026": 8_125_698_048,  # the untied embedding and LM head included (issue 16)
+    # 2 (4·64² + 3·64·256 + 128) = 2 · 65,664 = 131,328; + 2·10,000·64 = 1,280,000; + 64
+    ("2025", "tiny"): 1_411_392,
+    # 12 (4·768² + 3·768·3072 + 1536) = 12 · 9,438,720 = 113,264,640; + 15,360,000 + 768
+    ("2025", "small"): 128_625_408,
+    # 24 (4·1024² + 3·1024·4096 + 2048) = 24 · 16,779,264 = 402,702,336; + 20,480,000 + 1024
+    ("2025", "medium"): 423_183_360,
+    # 36 (4·1280² + 3·1280·5120 + 2560) = 36 · 26,216,960 = 943,810,560; + 25,600,000 + 1280
+    ("2025", "large"): 969_411_840,
+    # 48 (4·1600² + 3·1600·6400 + 3200) = 48 · 40,963,200 = 1,966,233,600; + 32,000,000 + 1600
+    ("2025", "xl"): 1_998_235_200,
+    # 32 (4·2560² + 3·2560·10240 + 5120) = 32 · 104,862,720 = 3,355,607,040; + 51,200,000 + 2560
+    ("2025", "2.7b"): 3_406_809_600,
+    # 34 (4·4096² + 3·4096·11008 + 8192) = 34 · 202,383,360 = 6,881,034,240;
+    # + 2·151,936·4096 = 1,244,659,712; + 4096
+    ("2025", "leaderboard-2026"): 8_125_698_048,
+    # 4 (4·128² + 3·128·344 + 256) = 4 · 197,888 = 791,552; + 2·4748·128 = 1,215,488; + 128
+    ("2025", "leaderboard-2026-tiny"): 2_007_168,
+    # 2026: small, medium and large as in 2025; its xl is 2025's 2.7b.
+    ("2026", "tiny"): 1_411_392,
+    ("2026", "small"): 128_625_408,
+    ("2026", "medium"): 423_183_360,
+    ("2026", "large"): 969_411_840,
+    ("2026", "xl"): 3_406_809_600,
+    # 50 (4·4608² + 3·4608·12288 + 9216) = 50 · (84,934,656 + 169,869,312 + 9216) = 50 · 254,813,184
+    # = 12,740,659,200; + 2·10,000·4608 = 92,160,000; + 4608
+    ("2026", "10B"): 12_832_823_808,
+    ("2026", "leaderboard-2026"): 8_125_698_048,
+    ("2026", "leaderboard-2026-tiny"): 2_007_168,
 }
+ALL_PRESETS = [(edition, name) for edition, presets in EDITIONS.items() for name in presets]
 
 
-@pytest.mark.parametrize("preset", EXPECTED_PARAMETERS)
-def test_parameter_counts(preset):
+def test_every_preset_has_its_parameter_count_written_out():
+    assert sorted(EXPECTED_PARAMETERS) == sorted(ALL_PRESETS)
+
+
+@pytest.mark.parametrize(("edition", "preset"), EXPECTED_PARAMETERS)
+def test_parameter_counts(edition, preset):
     with torch.device("meta"):
-        model = TransformerLM(get_config(preset))
-    assert model.num_parameters() == EXPECTED_PARAMETERS[preset]
+        model = TransformerLM(get_config(preset, edition))
+    assert model.num_parameters() == EXPECTED_PARAMETERS[edition, preset]
 
 
-def test_presets_have_cs336_shapes():
-    shapes = {name: (c.d_model, c.d_ff, c.num_layers, c.num_heads) for name, c in PRESETS.items()}
-    assert shapes["2.7b"] == (2560, 10240, 32, 32) and PRESETS["2.7b"].d_head == 80
-    assert shapes["xl"] == (1600, 6400, 48, 25)
+def shape(config):
+    return config.d_model, config.d_ff, config.num_layers, config.num_heads, config.vocab_size, config.context_length
+
+
+def test_presets_have_each_editions_table():
+    """Table 1 of each handout (d_model, d_ff, layers, heads), vocabulary 10,000; 2026 says context 512."""
+    assert {name: shape(get_config(name, "2025")) for name in ("small", "medium", "large", "xl", "2.7b")} == {
+        "small": (768, 3072, 12, 12, 10_000, 1024), "medium": (1024, 4096, 24, 16, 10_000, 1024),
+        "large": (1280, 5120, 36, 20, 10_000, 1024), "xl": (1600, 6400, 48, 25, 10_000, 1024),
+        "2.7b": (2560, 10240, 32, 32, 10_000, 1024)}
+    assert {name: shape(get_config(name, "2026")) for name in ("small", "medium", "large", "xl", "10B")} == {
+        "small": (768, 3072, 12, 12, 10_000, 512), "medium": (1024, 4096, 24, 16, 10_000, 512),
+        "large": (1280, 5120, 36, 20, 10_000, 512), "xl": (2560, 10240, 32, 32, 10_000, 512),
+        "10B": (4608, 12288, 50, 36, 10_000, 512)}
+    assert get_config("xl", "2026").d_head == 80 and get_config("10B", "2026").d_head == 128
+
+
+def test_the_default_edition_is_2025():
+    """Preset names saved before editions existed keep meaning 2025's models."""
+    assert get_config("xl") == get_config("xl", "2025") == PRESETS["xl"]
+    assert get_config("xl").d_model == 1600
+
+
+@pytest.mark.parametrize("name", ["tiny", "leaderboard-2026", "leaderboard-2026-tiny"])
+def test_presets_outside_the_course_tables_are_in_both_editions(name):
+    assert get_config(name, "2025") == get_config(name, "2026")
+
+
+@pytest.mark.parametrize(("edition", "preset"), ALL_PRESETS)
+def test_a_config_records_its_model_whatever_its_name(edition, preset):
+    """A history stores dataclasses.asdict(config) as JSON: the record survives JSON and builds the same config
+    again (JSON's list back to the checkpoint tuple), and holds no name or edition, so one model has one record."""
+    config = get_config(preset, edition)
+    record = json.loads(json.dumps(dataclasses.asdict(config)))
+    assert TransformerConfig(**{**record, "checkpoint": tuple(record["checkpoint"])}) == config
+
+
+def test_records_tell_apart_what_names_confuse():
+    """2026's xl is 2025's 2.7b (up to the context the 2026 handout defaults to); the two xl differ."""
+    same = dataclasses.asdict(get_config("xl", "2026", context_length=1024))
+    assert same == dataclasses.asdict(get_config("2.7b", "2025"))
+    assert dataclasses.asdict(get_config("xl", "2026")) != dataclasses.asdict(get_config("xl", "2025"))
 
 
 @pytest.fixture
@@ -184,22 +253,59 @@ def test_cross_entropy_gradient_matches_torch():
         (torch.randint(100, (8,)), ValueError, r"\(batch, seq\)"),
     ],
 )
-@pytest.mark.parametrize("check_tokens", [False, True])
-def test_bad_token_shapes_get_clear_errors(tokens, error, match, check_tokens):
+@pytest.mark.parametrize("check_ids", [False, True])
+def test_bad_token_shapes_get_clear_errors(tokens, error, match, check_ids):
     with pytest.raises(error, match=match):
-        TransformerLM(get_config("tiny", check_tokens=check_tokens))(tokens)
+        TransformerLM(get_config("tiny", check_ids=check_ids))(tokens)
 
 
 @pytest.mark.parametrize("bad_id", [10_000, -1])
-def test_out_of_range_ids_get_a_clear_error_in_debug_mode(bad_id):
-    tokens = torch.randint(100, (2, 8))
+def test_out_of_range_token_ids_get_a_clear_error_in_debug_mode(bad_id):
+    tokens, targets = (t.clone() for t in random_batch(get_config("tiny"), 2, 8, torch.device("cpu")))  # no views
     tokens[1, 5] = bad_id
-    with pytest.raises(ValueError, match=r"\[0, 10000\)"):
-        TransformerLM(get_config("tiny", check_tokens=True))(tokens)
-    with pytest.raises(ValueError, match=r"\[0, 10000\)"):
-        check_token_ids(tokens, 10_000)
-    with pytest.raises(IndexError):  # unchecked, the CPU embedding still refuses it
+    with pytest.raises(ValueError, match=r"^token ids must lie in \[0, 10000\)"):
+        TransformerLM(get_config("tiny", check_ids=True))(tokens)
+    with pytest.raises(ValueError, match=r"^token ids must lie in \[0, 10000\)"):
+        check_batch(tokens, targets, 10_000)
+    with pytest.raises(IndexError):  # unchecked, the CPU embedding still refuses it (a GPU's asserts)
         TransformerLM(get_config("tiny"))(tokens)
+
+
+@pytest.mark.parametrize("bad_id", [10_000, -1])
+@pytest.mark.parametrize("loss_chunk", [None, 4])
+def test_out_of_range_target_ids_get_a_clear_error_in_debug_mode(bad_id, loss_chunk):
+    """An id equal to the vocabulary's size, or negative, in the targets of either loss."""
+    tokens, targets = (t.clone() for t in random_batch(get_config("tiny"), 2, 8, torch.device("cpu")))  # no views
+    targets[0, 3] = bad_id
+    with pytest.raises(ValueError, match=r"^target ids must lie in \[0, 10000\)"):
+        TransformerLM(get_config("tiny", check_ids=True, loss_chunk=loss_chunk))(tokens, targets)
+    with pytest.raises(ValueError, match=r"^target ids must lie in \[0, 10000\)"):
+        check_batch(tokens, targets, 10_000)
+    with pytest.raises((IndexError, RuntimeError)):  # unchecked: torch's error from deep inside the loss
+        TransformerLM(get_config("tiny", loss_chunk=loss_chunk))(tokens, targets)
+
+
+@pytest.mark.parametrize("loss_chunk", [None, 4])
+def test_targets_of_another_shape_than_the_tokens_are_an_error(loss_chunk):
+    """Always checked, at the loss's entry: (2, 15) targets for (2, 16) tokens would otherwise label 15 of each
+    row's 16 positions."""
+    model = TransformerLM(get_config("tiny", loss_chunk=loss_chunk))
+    tokens, targets = random_batch(model.config, 2, 16, torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"targets must be one id per row of the \w+( states)?: \(2, 16\), got "
+                                         r"targets of shape \(2, 15\)"):
+        model(tokens, targets[:, :15])
+    with pytest.raises(ValueError, match=r"of one shape, got \(2, 16\) and \(2, 15\)"):
+        check_batch(tokens, targets[:, :15], 10_000)
+
+
+def test_check_batch_takes_a_good_batch_and_id_ranges_anywhere():
+    tokens, targets = random_batch(get_config("tiny"), 3, 5, torch.device("cpu"))
+    check_batch(tokens, targets, 10_000)
+    check_id_range(torch.tensor([0, 9999]), 10_000)
+    with pytest.raises(ValueError, match=r"^token ids must lie in \[0, 10000\), got ids from 0 to 10000$"):
+        check_id_range(torch.tensor([0, 10_000]), 10_000)
+    with pytest.raises(ValueError, match=r"\(batch, seq\)"):
+        check_batch(tokens.flatten(), targets.flatten(), 10_000)
 
 
 def test_forward_compiles_to_one_graph():
@@ -242,7 +348,10 @@ def test_cross_entropy_of_no_targets_is_an_error():
     ("rope_theta", math.inf, ValueError),
     ("rope_theta", math.nan, ValueError),
     ("rope_theta", "10000", TypeError),
-    ("check_tokens", 1, TypeError),
+    ("check_ids", 1, TypeError),
+    ("loss_chunk", 0, ValueError),
+    ("loss_chunk", 2.5, TypeError),
+    ("loss_chunk", True, TypeError),
 ])
 def test_bad_config_fields_are_rejected_by_name(field, value, error):
     with pytest.raises(error, match=f"^{field} must") as caught:
@@ -251,10 +360,27 @@ def test_bad_config_fields_are_rejected_by_name(field, value, error):
 
 
 def test_unknown_preset_and_backend_are_rejected():
-    with pytest.raises(ValueError, match="unknown preset"):
+    with pytest.raises(ValueError, match="unknown preset 'huge'") as caught:
         get_config("huge")
+    for edition, presets in EDITIONS.items():  # both editions' names listed
+        assert f"{edition}: {', '.join(presets)}" in str(caught.value)
     with pytest.raises(ValueError, match="unknown attention backend"):
         get_config("tiny", attention="fast")
+
+
+@pytest.mark.parametrize(("preset", "edition", "other"), [("10B", "2025", "2026"), ("2.7b", "2026", "2025")])
+def test_a_preset_of_the_other_edition_says_which(preset, edition, other):
+    with pytest.raises(ValueError, match=f"^'{preset}' is a {other} preset; pass edition='{other}'$"):
+        get_config(preset, edition)
+
+
+@pytest.mark.parametrize(("edition", "error", "match"), [
+    ("2024", ValueError, "unknown edition '2024'; choose from '2025', '2026'"),
+    (2026, TypeError, "edition must be a string such as '2026', got 2026"),
+])
+def test_unknown_edition_is_rejected(edition, error, match):
+    with pytest.raises(error, match=f"^{match}$"):
+        get_config("xl", edition)
 
 
 @pytest.mark.gpu

@@ -1,10 +1,14 @@
 """Executable arithmetic: parameters, FLOPs and memory of the Transformer LM (transformer.py), with activation
 checkpointing (checkpointing.py) and written-out attention's seq² tensors (scores.py), the parallelism
-arithmetic of the scaling book (scaling.py), bucketed all-reduce time (allreduce.py), and per-rank memory under
-FSDP (sharding.py)."""
+arithmetic of the scaling book (scaling.py), one SwiGLU layer under DP, FSDP, TP and FSDP x TP (ffn_layouts.py: the
+2026 handout's section 8), bucketed all-reduce time (allreduce.py), and per-rank memory under FSDP (sharding.py)."""
 
 from systems.accounting.allreduce import BucketedAllReduce, fit_bucketed_allreduce
 from systems.accounting.checkpointing import Checkpointing, recomputed_blocks
+from systems.accounting.ffn_layouts import (RING_COLLECTIVES, Accelerator, Collective, DeviceBound, FSDPTPGrid,
+                                             PassCost, StepCost, SwiGLULayer, dp_step, fsdp_step, fsdp_tp_step,
+                                             largest_dp_devices, largest_fsdp_devices, largest_fsdp_tp_grid,
+                                             largest_tp_devices, smallest_batch_per_device, tp_step)
 from systems.accounting.scaling import (TPU_V5P_BYTES, TPU_V5P_FLOPS, TPU_V5P_ICI_BANDWIDTH, XXL, ComputeBoundBatch,
                                         FFNStack, devices_to_hold, fsdp_tp_compute_bound_batch)
 from systems.accounting.sharding import ShardedMemory, fsdp_memory, sharded_weights
@@ -13,9 +17,12 @@ from systems.accounting.transformer import (GB, H100_BYTES, Activations, Flops, 
                                             count_parameters, flops, largest_context, model_state, nested_checkpoint,
                                             peak_memory, recomputed_flops, residual_stream_bytes)
 
-__all__ = ["GB", "H100_BYTES", "Checkpointing", "TPU_V5P_BYTES", "TPU_V5P_FLOPS", "TPU_V5P_ICI_BANDWIDTH", "XXL",
-           "Activations", "BucketedAllReduce", "ComputeBoundBatch", "FFNStack", "Flops", "ModelState", "PeakMemory",
-           "ShardedMemory", "activation_memory", "checkpoint_levels", "count_matmul_parameters", "count_parameters",
-           "devices_to_hold", "flops", "fit_bucketed_allreduce", "fsdp_memory", "fsdp_tp_compute_bound_batch",
-           "largest_context", "model_state", "nested_checkpoint", "peak_memory", "recomputed_blocks",
-           "recomputed_flops", "residual_stream_bytes", "sharded_weights"]
+__all__ = ["GB", "H100_BYTES", "RING_COLLECTIVES", "Checkpointing", "TPU_V5P_BYTES", "TPU_V5P_FLOPS", "TPU_V5P_ICI_BANDWIDTH",
+           "XXL", "Accelerator", "Activations", "BucketedAllReduce", "Collective", "ComputeBoundBatch", "DeviceBound",
+           "FFNStack", "FSDPTPGrid", "Flops", "ModelState", "PassCost", "PeakMemory", "ShardedMemory", "StepCost",
+           "SwiGLULayer", "activation_memory", "checkpoint_levels", "count_matmul_parameters", "count_parameters",
+           "devices_to_hold", "dp_step", "flops", "fit_bucketed_allreduce", "fsdp_memory", "fsdp_step",
+           "fsdp_tp_compute_bound_batch", "fsdp_tp_step", "largest_context", "largest_dp_devices",
+           "largest_fsdp_devices", "largest_fsdp_tp_grid", "largest_tp_devices", "model_state", "nested_checkpoint",
+           "peak_memory", "recomputed_blocks", "recomputed_flops", "residual_stream_bytes", "sharded_weights",
+           "smallest_batch_per_device", "tp_step"]
