@@ -6,7 +6,8 @@ rank 0's parameters and buffers, then replaces the weight of every module the po
 module whose class is, or derives from, a class named `Linear` or `Embedding`: torch's, or another codebase's
 own) by this rank's flat shard: elements [rank * c, (rank + 1) * c) of the flattened weight, c = ceil(numel /
 N), so the last ranks' shards may be shorter or empty. A weight two modules share (tied embedding and LM head)
-is one shard. Other parameters (norm gains, biases) stay whole on every rank. A step is `loss = f(fsdp(x));
+is one shard. Other parameters (norm gains, biases) stay whole on every rank; a sharded module's own (a Linear's
+bias) is cast to `compute_dtype` with its weight while the module runs, so its matmul sees one dtype. A step is `loss = f(fsdp(x));
 loss.backward(); fsdp.finish_gradient_synchronization(); optimizer.step()` with the optimizer over
 `fsdp.parameters()`: the shards and the replicated parameters.
 
@@ -79,6 +80,15 @@ def check_prefetch(prefetch: int) -> int:
     if prefetch < 1:
         raise ValueError(f"prefetch must be at least 1, got {prefetch}")
     return prefetch
+
+
+def check_compute_dtype(compute_dtype: torch.dtype | None) -> torch.dtype | None:
+    """What sharded modules compute in: None (their weights' dtype) or a floating-point torch.dtype. Checked
+    here: a name ("bf16") or an integer dtype would fail only inside the first forward or backward."""
+    if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
+        raise TypeError(f"compute_dtype must be None or a floating-point torch.dtype such as torch.bfloat16, "
+                        f"got {compute_dtype!r}")
+    return compute_dtype
 
 
 def linear_or_embedding(module: nn.Module) -> bool:
@@ -184,6 +194,7 @@ class FSDP(nn.Module):
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
                  shard_policy: Callable[[nn.Module], bool] = linear_or_embedding, prefetch: int = DEFAULT_PREFETCH,
                  gather: Gather | str | Callable[[nn.Module], bool] = DEFAULT_GATHER):
+        check_compute_dtype(compute_dtype)
         check_prefetch(prefetch)
         gather = gather if callable(gather) else Gather(gather)
         super().__init__()
@@ -194,10 +205,14 @@ class FSDP(nn.Module):
                 dist.broadcast(tensor, src=0)
         names = {param: name for name, param in module.named_parameters()}
         units: dict[nn.Parameter, _Unit] = {}
+        self._cast: dict[nn.Module, dict[str, nn.Parameter]] = {}  # a sharded module's own replicated parameters
         for submodule in dict.fromkeys(m for m in module.modules() if shard_policy(m)):
             weight = submodule._parameters.pop("weight")
             units.setdefault(weight, _Unit(names[weight], weight, compute_dtype)).modules.append(submodule)
             submodule.weight = None  # set to the gathered weight while the module runs
+            if compute_dtype is not None:  # its bias, say: cast while the module runs, as its weight is gathered
+                self._cast[submodule] = {name: p for name, p in submodule._parameters.items()
+                                         if p is not None and p.is_floating_point()}
             submodule.register_forward_pre_hook(self._before)
             submodule.register_forward_hook(self._after)
         self.units = list(units.values())
@@ -265,6 +280,9 @@ class FSDP(nn.Module):
             unit.uses += 1
         module.weight = weight
         if self.compute_dtype is not None:
+            # In place of the parameter while the module runs: autograd casts its gradient back to the parameter's dtype.
+            for name, param in self._cast[module].items():
+                module._parameters[name] = param.to(self.compute_dtype)
             return tuple(a.to(self.compute_dtype) if torch.is_tensor(a) and a.is_floating_point() else a
                          for a in args)
         return None
@@ -287,8 +305,13 @@ class FSDP(nn.Module):
         self._prefetch(index + 1, end)
 
     def _after(self, module: nn.Module, args: tuple, output) -> None:
-        module.weight = None
+        self._let_go(module)
         self._release(self._unit_of[module])
+
+    def _let_go(self, module: nn.Module) -> None:
+        """The module's own parameters back in place of what it computed with."""
+        module.weight = None
+        module._parameters.update(self._cast.get(module, {}))
 
     def _start_gather(self, units: list[_Unit]) -> None:
         """One all-gather of those of `units` not gathered or in flight already (a group's, in the compute dtype)."""
@@ -356,7 +379,7 @@ class FSDP(nn.Module):
                 self._reduce_scatter(unit.group)
             if unit.saved == 0:  # a recomputation that torch stopped early inside the module never ran `_after`
                 for module in unit.modules:  # which would drop the module's view of the gathered weight
-                    module.weight = None
+                    self._let_go(module)
                 self._release(unit)
 
     def _reduce_scatter(self, group: _Group) -> None:
