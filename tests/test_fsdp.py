@@ -223,10 +223,10 @@ def recording(wrapped: FSDP, events: list):
         for module in unit.modules:  # registered after FSDP's: runs once the weight is gathered
             module.register_forward_pre_hook(lambda m, args, name=unit.name: events.append(("run", name)))
     gather, reduce_scatter = fsdp_module.all_gather, fsdp_module.reduce_scatter_mean
-    with (mock.patch.object(fsdp_module, "all_gather", side_effect=lambda out, shard, name: events.append(
-              ("gather", name)) or gather(out, shard, name)),
-          mock.patch.object(fsdp_module, "reduce_scatter_mean", side_effect=lambda out, full, name: events.append(
-              ("reduce_scatter", name)) or reduce_scatter(out, full, name))):
+    with (mock.patch.object(fsdp_module, "all_gather", side_effect=lambda out, shard, name, group: events.append(
+              ("gather", name)) or gather(out, shard, name, group)),
+          mock.patch.object(fsdp_module, "reduce_scatter_mean", side_effect=lambda out, full, name, group:
+                            events.append(("reduce_scatter", name)) or reduce_scatter(out, full, name, group))):
         yield
 
 
