@@ -92,7 +92,7 @@ def _all_reduce(tensor: torch.Tensor, name: str, group: dist.ProcessGroup | None
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
             return Pending(work, then=(lambda: tensor.div_(size)) if mean else None)
         rows = tensor.new_empty(size * tensor.numel())
-        work = _all_gather_single(rows, tensor, group=group, async_op=True)
+        work = _all_gather_single(rows, tensor.view(-1), group=group, async_op=True)
         return Pending(work, then=lambda: _sum_in_rank_order(rows.view(size, -1), tensor.view(-1), mean))
 
 
