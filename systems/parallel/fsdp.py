@@ -480,7 +480,7 @@ def _saved_units(group: _Group) -> list[_Unit]:
 
 
 def get_fsdp(module: nn.Module, compute_dtype: torch.dtype | None = None, **levers) -> FSDP:
-    """The course's adapter: `module` wrapped in FSDP (`levers`: FSDP's prefetch and gather)."""
+    """The course's adapter: `module` wrapped in FSDP (`levers`: FSDP's prefetch, gather and mesh)."""
     return FSDP(module, compute_dtype, **levers)
 
 
