@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from systems.model import TransformerLM
+from systems.model import TransformerConfig, TransformerLM
 from systems.parallel.collectives import all_reduce_sum
 
 
@@ -71,14 +71,19 @@ def reduce_from_region(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tenso
     return _ReduceFromRegion.apply(x, group)
 
 
+def check_split(config: TransformerConfig, size: int) -> None:
+    """Every rank takes as many heads and as many of d_ff's features as every other."""
+    if config.num_heads % size or config.d_ff % size:
+        raise ValueError(f"tensor parallelism over {size} ranks splits heads and d_ff evenly: num_heads="
+                         f"{config.num_heads}, d_ff={config.d_ff}")
+
+
 def tensor_parallel(model: TransformerLM, group: dist.ProcessGroup | None) -> TransformerLM:
     """Shard `model`'s blocks over `group` (None: the world) in place and return it. Ranks may build their models
     apart: the group's first rank's parameters and buffers are broadcast before each rank keeps its slices."""
     config = model.config
     size, index = dist.get_world_size(group), dist.get_rank(group)
-    if config.num_heads % size or config.d_ff % size:
-        raise ValueError(f"tensor parallelism over {size} ranks splits heads and d_ff evenly: num_heads="
-                         f"{config.num_heads}, d_ff={config.d_ff}")
+    check_split(config, size)
     source = dist.get_global_rank(group, 0) if group is not None else 0
     with torch.no_grad():
         for tensor in itertools.chain(model.parameters(), model.buffers()):
@@ -117,9 +122,7 @@ def torch_tensor_parallel(model: TransformerLM, mesh) -> TransformerLM:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     config, size = model.config, mesh.size()
-    if config.num_heads % size or config.d_ff % size:
-        raise ValueError(f"tensor parallelism over {size} ranks splits heads and d_ff evenly: num_heads="
-                         f"{config.num_heads}, d_ff={config.d_ff}")
+    check_split(config, size)
     group = mesh.get_group()
     with torch.no_grad():
         for tensor in itertools.chain(model.parameters(), model.buffers()):
@@ -135,6 +138,6 @@ def torch_tensor_parallel(model: TransformerLM, mesh) -> TransformerLM:
     return model
 
 
-def qkv_in_model_order(weight: torch.Tensor, config, size: int) -> torch.Tensor:
+def qkv_in_model_order(weight: torch.Tensor, config: TransformerConfig, size: int) -> torch.Tensor:
     """A full qkv weight in torch_tensor_parallel's row order, (T, 3, heads/T, d_head), back in the model's."""
     return weight.view(size, 3, config.num_heads // size, config.d_head, -1).transpose(0, 1).flatten(0, 3)
