@@ -197,12 +197,13 @@ class CausalSelfAttention(nn.Module):
         self.attend = attention.BACKENDS[config.attention]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, seq, d_model = x.shape
+        batch, seq, _ = x.shape
         # (batch, seq, 3 * d_model) -> 3 x (batch, heads, seq, d_head)
         # (d_head spelled out, not -1: a batch with no tokens has no size to infer it from)
         q, k, v = self.qkv(x).view(batch, seq, 3, self.num_heads, self.d_head).permute(2, 0, 3, 1, 4)
         y = self.attend(self.rope(q), self.rope(k), v, True)  # causal
-        return self.out(y.transpose(1, 2).reshape(batch, seq, d_model))
+        # (batch, seq, heads * d_head): d_model, or under tensor parallelism this rank's heads' share of it
+        return self.out(y.transpose(1, 2).reshape(batch, seq, self.num_heads * self.d_head))
 
 
 class SwiGLU(nn.Module):

@@ -13,8 +13,9 @@ the same values in the same places as the reference (weights cast before the gat
 the compute dtype), and a tolerance would only hide a wrong cast.
 
 Models: the project's TransformerLM (sizes not divisible by 3), and a toy built from its own classes named
-Linear and Embedding (not torch's), with an LM head tied to the embedding, a frozen layer, and a bias and a
-LayerNorm that stay replicated. One spawn per process group runs every model, precision and optimizer
+Linear and Embedding (not torch's), with an LM head tied to the embedding, a frozen layer, a bias and a
+LayerNorm that stay replicated, and a torch Linear whose bias is replicated too but computes with its sharded
+weight (cast to the compute dtype with it). One spawn per process group runs every model, precision and optimizer
 under warnings-as-errors and deterministic algorithms, and some of them again with deeper prefetching (more
 all-gathers in flight) or with a block's weights gathered and reduce-scattered at once (`gather="block"`),
 which must change when weights are gathered, never what is computed.
@@ -86,6 +87,7 @@ class ToyModel(nn.Module):
         self.bias = nn.Parameter(torch.randn(WIDTH))
         self.frozen = Linear(WIDTH, WIDTH).requires_grad_(False)
         self.norm = nn.LayerNorm(WIDTH)
+        self.mix = nn.Linear(WIDTH, WIDTH)  # torch's, with a bias
         self.head = Linear(WIDTH, VOCAB)
         self.head.weight = self.embed.weight
         with torch.no_grad():  # LayerNorm starts at ones and zeros: make every rank's start differ
@@ -95,6 +97,7 @@ class ToyModel(nn.Module):
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         x = self.embed(tokens)  # (rows, seq, width)
         x = torch.tanh(self.hidden(x) + self.bias) + self.frozen(x)
+        x = x + self.mix(x)
         return self.head(self.norm(x))  # (rows, seq, vocab)
 
 
@@ -154,6 +157,8 @@ def train_one_process(model_name: str, precision: str, optimizer_name: str, devi
     initial = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
     dtype = COMPUTE[precision]
     sharded = {m.weight for m in model.modules() if is_sharded(m)}
+    own = {p for m in model.modules() if is_sharded(m) for name, p in m.named_parameters(recurse=False)
+           if name != "weight"}  # a Linear's bias: cast with its weight, its gradient summed in its own dtype
     if dtype is not None:
         for module in model.modules():
             if is_sharded(module):
@@ -163,12 +168,14 @@ def train_one_process(model_name: str, precision: str, optimizer_name: str, devi
     optimizer = make_optimizer(optimizer_name, trainable.values())
     for step, tokens, targets in batches(model_name, device, world_size):
         # Sharded weights in the compute dtype, as leaves of their own: their gradients stay in it.
-        weights = {name: (p.detach().to(dtype).requires_grad_(p.requires_grad)
-                          if dtype is not None and p in sharded else p) for name, p in model.named_parameters()}
+        weights = {name: (p.detach().to(dtype).requires_grad_(p.requires_grad) if dtype is not None and p in sharded
+                          else p.to(dtype) if dtype is not None and p in own else p)
+                   for name, p in model.named_parameters()}
+        leaves = [weights[name] if p in sharded else p for name, p in trainable.items()]
         total = None
         for rank in range(world_size):
             loss = loss_of(functional_call(model, weights, (tokens[rows(rank)],)), targets[rows(rank)])
-            grads = torch.autograd.grad(loss, [weights[name] for name in trainable])
+            grads = torch.autograd.grad(loss, leaves)
             total = list(grads) if total is None else [t.add_(g) for t, g in zip(total, grads)]
         for param, grad in zip(trainable.values(), total):
             param.grad = grad.div_(world_size).to(param.dtype)
@@ -216,10 +223,10 @@ def recording(wrapped: FSDP, events: list):
         for module in unit.modules:  # registered after FSDP's: runs once the weight is gathered
             module.register_forward_pre_hook(lambda m, args, name=unit.name: events.append(("run", name)))
     gather, reduce_scatter = fsdp_module.all_gather, fsdp_module.reduce_scatter_mean
-    with (mock.patch.object(fsdp_module, "all_gather", side_effect=lambda out, shard, name: events.append(
-              ("gather", name)) or gather(out, shard, name)),
-          mock.patch.object(fsdp_module, "reduce_scatter_mean", side_effect=lambda out, full, name: events.append(
-              ("reduce_scatter", name)) or reduce_scatter(out, full, name))):
+    with (mock.patch.object(fsdp_module, "all_gather", side_effect=lambda out, shard, name, group: events.append(
+              ("gather", name)) or gather(out, shard, name, group)),
+          mock.patch.object(fsdp_module, "reduce_scatter_mean", side_effect=lambda out, full, name, group:
+                            events.append(("reduce_scatter", name)) or reduce_scatter(out, full, name, group))):
         yield
 
 
@@ -457,6 +464,16 @@ def test_prefetch_is_a_positive_int_checked_before_anything_runs(build, prefetch
 def test_gather_is_a_known_group_or_a_policy_checked_before_anything_runs(build):
     with pytest.raises(ValueError, match="gather"):
         build()
+
+
+@pytest.mark.parametrize("compute_dtype", ["bf16", torch.int32, torch.bool, torch.complex64, 16])
+@pytest.mark.parametrize("build", [lambda dtype: FSDP(nn.Linear(2, 2), compute_dtype=dtype),
+                                   lambda dtype: get_fsdp(nn.Linear(2, 2), dtype)], ids=["FSDP", "get_fsdp"])
+def test_compute_dtype_is_a_floating_dtype_checked_before_anything_runs(build, compute_dtype):
+    """A name, an integer or bool dtype, or a number would otherwise fail inside torch at the first forward or
+    backward, with a message that does not name the option (no process group here: checked before any)."""
+    with pytest.raises(TypeError, match="compute_dtype"):
+        build(compute_dtype)
 
 
 def test_default_policy_picks_classes_named_linear_or_embedding():

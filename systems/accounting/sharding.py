@@ -25,6 +25,11 @@ A step adds, at each moment, four things (`Moment`), and its peak is the largest
   the segment inputs and one recomputed segment (checkpointing.held_in_backward); the loss's whole logits,
   or with `loss_chunk` one chunk's logits at a time and its fp32 gradient of the LM head.
 
+HSDP (`hsdp_memory`, a Layout of replicas x shards) is FSDP over the shard group (shards of ceil(numel / shard))
+with one more stage: a group's chunks, once reduce-scattered, are concatenated and all-reduced over the replicas
+(two groups at once, after the two reduce-scatters in flight), and only then added to the shards' gradients; gloo's
+all-reduce gathers the replicas' copies of them first (replicate more of them).
+
 The moments are where one of them peaks: the forward's end (the loss, inside the LM head's call), the loss's
 backward, the LM head's weight gradient, each block's backward (inside SwiGLU's, where the product's two
 gradients are made, as in transformer.peak_memory), the embedding's gradient (the backward's end, every
@@ -48,6 +53,7 @@ from systems.accounting.checkpointing import held_in_backward, segment_starts
 from systems.accounting.transformer import activation_memory, count_parameters, model_state
 from systems.model import TransformerConfig
 from systems.parallel.fsdp import DEFAULT_GATHER, DEFAULT_PREFETCH, REDUCE_SCATTERS_IN_FLIGHT, Gather, check_prefetch
+from systems.parallel.mesh import Layout
 from systems.precision import FP32, Precision
 
 
@@ -112,10 +118,12 @@ class ShardedMemory:
 
 
 class _Rank:
-    """Sizes on rank 0 of `world_size`: shards of ceil(numel / N) elements, gathered buffers of N of them."""
+    """Sizes on rank 0 of a shard group of `world_size`: shards of ceil(numel / N), gathered buffers of N of them;
+    and the replicas the shard gradients are averaged over (HSDP)."""
 
-    def __init__(self, world_size: int, compute: int, grad: int, gloo: bool):
+    def __init__(self, world_size: int, compute: int, grad: int, gloo: bool, replicate: int = 1):
         self.world_size, self.compute, self.grad, self.gloo = world_size, compute, grad, gloo
+        self.replicate = replicate
 
     def chunk(self, numel: int) -> int:
         return math.ceil(numel / self.world_size)
@@ -126,6 +134,20 @@ class _Rank:
     def reducing(self, group: list[int]) -> int:
         """A reduce-scatter's full-size gradients, gloo's all-to-all copies of them, and the chunks it makes."""
         return sum((2 if self.gloo else 1) * self.gathered(n) + self.chunk(n) * self.compute for n in group)
+
+    def replicating(self, group: list[int]) -> int:
+        """HSDP's all-reduce of a group's chunks: their concatenation, and gloo's gathered copies of it."""
+        if self.replicate == 1:
+            return 0
+        return (1 + (self.replicate if self.gloo else 0)) * sum(self.chunk(n) for n in group) * self.compute
+
+    def stages(self, made: list[list[int]]) -> tuple[list, list, list]:
+        """The groups of `made` (issued, in order) whose gradients are made, those in their replicas' all-reduce,
+        and those in their reduce-scatter."""
+        k = REDUCE_SCATTERS_IN_FLIGHT
+        replicating = k if self.replicate > 1 else 0
+        done = made[:max(0, len(made) - k - replicating)]
+        return done, made[len(done):max(len(done), len(made) - k)], made[-k:]
 
     def shard_grads(self, numels) -> int:
         return sum(self.chunk(n) for n in numels) * self.grad
@@ -140,11 +162,27 @@ def fsdp_memory(config: TransformerConfig, batch_size: int, seq: int, precision:
     gloo, whose reduce-scatter takes one more full-size buffer, and the unfused AdamW."""
     if world_size < 1:
         raise ValueError(f"world_size must be positive, got {world_size}")
+    return _sharded_memory(config, batch_size, seq, precision, world_size, 1, device, prefetch, gather)
+
+
+def hsdp_memory(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, layout: Layout,
+                *, device: str = "cuda", prefetch: int = DEFAULT_PREFETCH,
+                gather: Gather = DEFAULT_GATHER) -> ShardedMemory:
+    """Per-rank memory of FSDP's step over `layout` (systems.parallel.mesh: replicas x shards): fsdp_memory's
+    over the shard group, with the replicas' all-reduce of the shard gradients in flight between a group's
+    reduce-scatter and its gradients."""
+    if not isinstance(layout, Layout) or layout.tensor != 1:
+        raise ValueError(f"hsdp_memory takes a Layout of replicas and shards only, got {layout!r}")
+    return _sharded_memory(config, batch_size, seq, precision, layout.shard, layout.replicate, device, prefetch,
+                           gather)
+
+
+def _sharded_memory(config, batch_size, seq, precision, shard, replicate, device, prefetch, gather) -> ShardedMemory:
     check_prefetch(prefetch)
     gather = Gather(gather)
     weights = sharded_weights(config)
     replicated = count_parameters(config) - sum(weights)
-    rank = _Rank(world_size, precision.compute.itemsize, precision.grad_bytes, gloo=device == "cpu")
+    rank = _Rank(shard, precision.compute.itemsize, precision.grad_bytes, gloo=device == "cpu", replicate=replicate)
     per_rank = sum(rank.chunk(n) for n in weights) + replicated
     groups = _gradient_order(config, gather)
     ahead = _Prefetch(rank, groups if not config.checkpoint else groups[:1], prefetch)
@@ -246,9 +284,10 @@ def _blocks_backward(config, batch_size, seq, precision, rank, ahead, groups, de
         at = 1 + above * per_block  # the group of block i's w2
         complete = len(groups[at]) == 1  # w2's group is w2 alone: its reduce-scatter is issued with its gradient
         made = groups[:at + complete]  # groups whose reduce-scatter is issued
-        waited, reducing = made[:-REDUCE_SCATTERS_IN_FLIGHT], made[-REDUCE_SCATTERS_IN_FLIGHT:]
+        waited, replicating, reducing = rank.stages(made)
         grads = rank.shard_grads(n for group in waited for n in group) + d * rank.grad + above * norm_grads
-        in_flight = sum(rank.reducing(group) for group in reducing) + (0 if complete else w2 * c)
+        in_flight = (sum(rank.reducing(group) for group in reducing) + (0 if complete else w2 * c)
+                     + sum(rank.replicating(group) for group in replicating))
         # Unless recomputed: block i's group but w2, used, and the groups after it prefetched.
         gathered = (_recomputed_in_block(rank, block_weights(config), levels, i) if levels
                     else sum(rank.gathered(n) for n in groups[at]) - rank.gathered(w2) + ahead.after(at + 1))
@@ -268,9 +307,10 @@ def _recomputed_in_block(rank, block, levels, i) -> int:
 def _embedding_gradient(config, batch_size, seq, rank, embedding, groups, replicated_grads) -> Moment:
     """The backward's end: the embedding's dense gradient joins the last groups' reduce-scatters in flight (the
     bottom block's qkv and out, or the two bottom blocks)."""
-    waited, reducing = groups[:-REDUCE_SCATTERS_IN_FLIGHT], groups[-REDUCE_SCATTERS_IN_FLIGHT:]
+    waited, replicating, reducing = rank.stages(groups)
     done = rank.shard_grads(n for group in waited for n in group)
-    in_flight = sum(rank.reducing(group) for group in reducing) + rank.reducing([embedding])
+    in_flight = (sum(rank.reducing(group) for group in reducing) + rank.reducing([embedding])
+                 + sum(rank.replicating(group) for group in replicating))
     return Moment("embedding gradient", done + replicated_grads, 0, in_flight,
                   batch_size * seq * config.d_model * rank.compute)
 

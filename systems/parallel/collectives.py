@@ -1,5 +1,6 @@
-"""The collectives FSDP is built from, asynchronous, with averaging whose rounding one process can reproduce;
-and a clock for the time the compute stream spends waiting on them.
+"""The collectives FSDP and tensor parallelism are built from, asynchronous, with sums and means whose rounding
+one process can reproduce; and a clock for the time the compute stream spends waiting on them. Each runs over
+a process group (None: the world; a Mesh's axis for HSDP and TP).
 
 FSDP gathers and reduce-scatters several tensors at a time (a Transformer block's weights), so those two take
 lists; under NCCL they make one call of the process group's coalesced collective: one work object and one
@@ -44,48 +45,64 @@ class Pending:
             self.then = None
 
 
-def all_gather(outputs: list[torch.Tensor], shards: list[torch.Tensor], name: str) -> Pending:
-    """Every rank's `shards[i]` (the same size on every rank), concatenated in rank order into `outputs[i]`:
-    under NCCL one call however many tensors, run as one group of all-gathers."""
+def all_gather(outputs: list[torch.Tensor], shards: list[torch.Tensor], name: str,
+               group: dist.ProcessGroup | None = None) -> Pending:
+    """Every rank's `shards[i]` (the same size on every rank of `group`, None: the world), concatenated in rank
+    order into `outputs[i]`: under NCCL one call however many tensors, run as one group of all-gathers."""
     with nvtx_range(f"all_gather {name}"):
-        if dist.get_backend() == "nccl":
-            return Pending(dist.group.WORLD.allgather_into_tensor_coalesced(outputs, shards))
-        return Pending(*(_all_gather_single(output, shard, async_op=True) for output, shard in zip(outputs, shards)))
+        if dist.get_backend(group) == "nccl":
+            return Pending((group or dist.group.WORLD).allgather_into_tensor_coalesced(outputs, shards))
+        return Pending(*(_all_gather_single(output, shard, group=group, async_op=True)
+                         for output, shard in zip(outputs, shards)))
 
 
-def reduce_scatter_mean(outputs: list[torch.Tensor], fulls: list[torch.Tensor], name: str) -> Pending:
-    """This rank's chunk of the mean over ranks of each `fulls[i]` (world_size chunks the size of
-    `outputs[i]`): under NCCL one call, run as one group."""
-    world_size = dist.get_world_size()
+def reduce_scatter_mean(outputs: list[torch.Tensor], fulls: list[torch.Tensor], name: str,
+                        group: dist.ProcessGroup | None = None) -> Pending:
+    """This rank's chunk of the mean over the ranks of `group` (None: the world) of each `fulls[i]` (as many
+    chunks as ranks, each the size of `outputs[i]`): under NCCL one call, run as one group."""
+    size = dist.get_world_size(group)
     with nvtx_range(f"reduce_scatter {name}"):
-        if dist.get_backend() == "nccl":
-            work = dist.group.WORLD.reduce_scatter_tensor_coalesced(outputs, fulls, dist.ReduceScatterOptions())
-            return Pending(work, then=lambda: torch._foreach_div_(outputs, world_size))
+        if dist.get_backend(group) == "nccl":
+            work = (group or dist.group.WORLD).reduce_scatter_tensor_coalesced(outputs, fulls,
+                                                                               dist.ReduceScatterOptions())
+            return Pending(work, then=lambda: torch._foreach_div_(outputs, size))
         works, means = [], []
         for output, full in zip(outputs, fulls):
             chunks = torch.empty_like(full)  # chunk r: rank r's part of this rank's chunk
-            works.append(dist.all_to_all_single(chunks, full, async_op=True))
-            means.append((chunks.view(world_size, -1), output))
-        return Pending(*works, then=lambda: [_mean_in_rank_order(rows, output) for rows, output in means])
+            works.append(dist.all_to_all_single(chunks, full, group=group, async_op=True))
+            means.append((chunks.view(size, -1), output))
+        return Pending(*works, then=lambda: [_sum_in_rank_order(rows, output, mean=True) for rows, output in means])
 
 
-def all_reduce_mean(tensor: torch.Tensor, name: str) -> Pending:
-    """`tensor` averaged over the ranks, in place."""
+def all_reduce_mean(tensor: torch.Tensor, name: str, group: dist.ProcessGroup | None = None) -> Pending:
+    """`tensor` (contiguous) averaged over the ranks of `group` (None: the world), in place."""
+    return _all_reduce(tensor, name, group, mean=True)
+
+
+def all_reduce_sum(tensor: torch.Tensor, name: str, group: dist.ProcessGroup | None = None) -> Pending:
+    """`tensor` (contiguous) summed over the ranks of `group` (None: the world), in place: in rank order under
+    gloo, so every rank holds the same bits and one process adding the terms in that order gets them too."""
+    return _all_reduce(tensor, name, group, mean=False)
+
+
+def _all_reduce(tensor: torch.Tensor, name: str, group: dist.ProcessGroup | None, mean: bool) -> Pending:
+    size = dist.get_world_size(group)
     with nvtx_range(f"all_reduce {name}"):
-        if dist.get_backend() == "nccl":
-            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True)
-            return Pending(work, then=lambda: tensor.div_(dist.get_world_size()))
-        rows = tensor.new_empty(dist.get_world_size() * tensor.numel())
-        work = _all_gather_single(rows, tensor, async_op=True)
-        return Pending(work, then=lambda: _mean_in_rank_order(rows.view(dist.get_world_size(), -1), tensor))
+        if dist.get_backend(group) == "nccl":
+            work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+            return Pending(work, then=(lambda: tensor.div_(size)) if mean else None)
+        rows = tensor.new_empty(size * tensor.numel())
+        work = _all_gather_single(rows, tensor.view(-1), group=group, async_op=True)
+        return Pending(work, then=lambda: _sum_in_rank_order(rows.view(size, -1), tensor.view(-1), mean))
 
 
-def _mean_in_rank_order(rows: torch.Tensor, out: torch.Tensor) -> None:
-    """out = (rows[0] + rows[1] + ... ) / len(rows), added one row at a time."""
+def _sum_in_rank_order(rows: torch.Tensor, out: torch.Tensor, mean: bool) -> None:
+    """out = rows[0] + rows[1] + ..., added one row at a time, then divided by len(rows) if `mean`."""
     out.copy_(rows[0])
     for row in rows[1:]:
         out.add_(row)
-    out.div_(len(rows))
+    if mean:
+        out.div_(len(rows))
 
 
 class WaitClock:

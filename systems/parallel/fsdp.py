@@ -1,14 +1,18 @@
 """Fully-sharded data parallelism: every rank keeps 1/N of each Linear and Embedding weight and gathers a
 layer's full weight only while that layer computes.
 
-`FSDP(module, compute_dtype=None, shard_policy=linear_or_embedding, prefetch=1, gather="block")` broadcasts
-rank 0's parameters and buffers, then replaces the weight of every module the policy picks (by default any
-module whose class is, or derives from, a class named `Linear` or `Embedding`: torch's, or another codebase's
-own) by this rank's flat shard: elements [rank * c, (rank + 1) * c) of the flattened weight, c = ceil(numel /
-N), so the last ranks' shards may be shorter or empty. A weight two modules share (tied embedding and LM head)
-is one shard. Other parameters (norm gains, biases) stay whole on every rank. A step is `loss = f(fsdp(x));
-loss.backward(); fsdp.finish_gradient_synchronization(); optimizer.step()` with the optimizer over
-`fsdp.parameters()`: the shards and the replicated parameters.
+`FSDP(module, compute_dtype=None, shard_policy=linear_or_embedding, prefetch=1, gather="block", mesh=None)`
+broadcasts rank 0's parameters and buffers, then replaces the weight of every module the policy picks (by
+default any module whose class is, or derives from, a class named `Linear` or `Embedding`: torch's, or another
+codebase's own) by this rank's flat shard: elements [rank * c, (rank + 1) * c) of the flattened weight, c =
+ceil(numel / N), so the last ranks' shards may be shorter or empty. N is the world, or with a `mesh`
+(systems.parallel.mesh) its shard axis: HSDP shards inside a shard group and replicates across the replicate
+axis; rank and N are then the shard group's, and the broadcast comes from the first rank of this rank's data
+group (replicate x shard: under tensor parallelism, the ranks holding the same TP shard). A weight two modules
+share (tied embedding and LM head) is one shard. Other parameters (norm gains, biases) stay whole on every rank;
+a sharded module's own (a Linear's bias) is cast to `compute_dtype` with its weight while the module runs, so
+its matmul sees one dtype. A step is `loss = f(fsdp(x)); loss.backward(); fsdp.finish_gradient_synchronization();
+optimizer.step()` with the optimizer over `fsdp.parameters()`: the shards and the replicated parameters.
 
 A "group" is what one collective covers (`gather`, a `Gather`): "layer", each weight on its own (the handout's);
 "block", the weights of every layer inside one element of an nn.ModuleList (a Transformer block, FSDP2's unit,
@@ -27,8 +31,11 @@ next are in flight, in the reverse of the forward's order; a recomputed segment 
 order, never past its end) and each weight is dropped once every saved view of it has been used. A group's
 gradients, each summed over its uses, are reduce-scattered (averaged) in the compute dtype once the last is
 complete, with at most `REDUCE_SCATTERS_IN_FLIGHT` in flight; each rank adds its chunk to its shard's `.grad`
-in the shard's own dtype. `finish_gradient_synchronization()` waits for the last reduce-scatters and
-all-reduces (averages) the replicated parameters' gradients, so they are identical on every rank.
+in the shard's own dtype. Under HSDP a group's chunks, once reduce-scattered, are all-reduced (averaged) over the
+replicas in the compute dtype, as many in flight, before they are added: the mean over the replicas of the
+shard groups' means. `finish_gradient_synchronization()` waits for the last of them and all-reduces (averages)
+the replicated parameters' gradients over the shard group, then over the replicas, so they are identical on
+every rank.
 
 Every rank must run the same sharded modules in the same order (as with torch's FSDP): the gathers are
 collectives. Autocast makes its own low-precision copy of an fp32 weight, which autograd then keeps; give
@@ -50,6 +57,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from systems.parallel.collectives import WaitClock, all_gather, all_reduce_mean, reduce_scatter_mean
+from systems.parallel.mesh import Mesh
 from systems.parallel.meters import GatheredMemory
 
 SHARDED_CLASS_NAMES = ("Linear", "Embedding")
@@ -81,6 +89,15 @@ def check_prefetch(prefetch: int) -> int:
     return prefetch
 
 
+def check_compute_dtype(compute_dtype: torch.dtype | None) -> torch.dtype | None:
+    """What sharded modules compute in: None (their weights' dtype) or a floating-point torch.dtype. Checked
+    here: a name ("bf16") or an integer dtype would fail only inside the first forward or backward."""
+    if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
+        raise TypeError(f"compute_dtype must be None or a floating-point torch.dtype such as torch.bfloat16, "
+                        f"got {compute_dtype!r}")
+    return compute_dtype
+
+
 def linear_or_embedding(module: nn.Module) -> bool:
     """The default shard policy: a class named Linear or Embedding (or derived from one) with a `weight` parameter."""
     return (any(cls.__name__ in SHARDED_CLASS_NAMES for cls in type(module).__mro__)
@@ -88,12 +105,11 @@ def linear_or_embedding(module: nn.Module) -> bool:
 
 
 class _Unit:
-    """One sharded weight: this rank's flat shard, and while gathered the full (world * chunk,) buffer."""
+    """One sharded weight: this rank's flat shard, and while gathered the full (shards * chunk,) buffer."""
 
-    def __init__(self, name: str, weight: nn.Parameter, compute_dtype: torch.dtype | None):
-        rank, world = dist.get_rank(), dist.get_world_size()
+    def __init__(self, name: str, weight: nn.Parameter, compute_dtype: torch.dtype | None, rank: int, shards: int):
         self.name, self.shape, self.numel = name, weight.shape, weight.numel()
-        self.chunk = math.ceil(self.numel / world)
+        self.chunk = math.ceil(self.numel / shards)
         start = min(rank * self.chunk, self.numel)
         stop = min(start + self.chunk, self.numel)
         self.shard = nn.Parameter(weight.detach().reshape(-1)[start:stop].clone(), requires_grad=weight.requires_grad)
@@ -183,21 +199,33 @@ class _SavedView:
 class FSDP(nn.Module):
     def __init__(self, module: nn.Module, compute_dtype: torch.dtype | None = None,
                  shard_policy: Callable[[nn.Module], bool] = linear_or_embedding, prefetch: int = DEFAULT_PREFETCH,
-                 gather: Gather | str | Callable[[nn.Module], bool] = DEFAULT_GATHER):
+                 gather: Gather | str | Callable[[nn.Module], bool] = DEFAULT_GATHER, mesh: Mesh | None = None):
+        check_compute_dtype(compute_dtype)
         check_prefetch(prefetch)
         gather = gather if callable(gather) else Gather(gather)
+        if mesh is not None and not isinstance(mesh, Mesh):
+            raise TypeError(f"mesh must be None (shard over the world) or a systems.parallel.mesh.Mesh, got {mesh!r}")
         super().__init__()
         self.module, self.compute_dtype, self.prefetch = module, compute_dtype, prefetch
-        self.world_size = dist.get_world_size()
+        # Without a mesh the world's group (None), as torch names it: today's collectives, no new group.
+        self.shard_group = mesh.shard.group if mesh is not None else None
+        self.replicate_group = mesh.replicate.group if mesh is not None and mesh.replicate.size > 1 else None
+        self.shard_size = dist.get_world_size(self.shard_group)
+        source, data = (0, None) if mesh is None else (mesh.data.source, mesh.data.group)
         with torch.no_grad():
             for tensor in itertools.chain(module.parameters(), module.buffers()):
-                dist.broadcast(tensor, src=0)
+                dist.broadcast(tensor, src=source, group=data)
         names = {param: name for name, param in module.named_parameters()}
         units: dict[nn.Parameter, _Unit] = {}
+        self._cast: dict[nn.Module, dict[str, nn.Parameter]] = {}  # a sharded module's own replicated parameters
         for submodule in dict.fromkeys(m for m in module.modules() if shard_policy(m)):
             weight = submodule._parameters.pop("weight")
-            units.setdefault(weight, _Unit(names[weight], weight, compute_dtype)).modules.append(submodule)
+            units.setdefault(weight, _Unit(names[weight], weight, compute_dtype, dist.get_rank(self.shard_group),
+                                           self.shard_size)).modules.append(submodule)
             submodule.weight = None  # set to the gathered weight while the module runs
+            if compute_dtype is not None:  # its bias, say: cast while the module runs, as its weight is gathered
+                self._cast[submodule] = {name: p for name, p in submodule._parameters.items()
+                                         if p is not None and p.is_floating_point()}
             submodule.register_forward_pre_hook(self._before)
             submodule.register_forward_hook(self._after)
         self.units = list(units.values())
@@ -218,6 +246,7 @@ class FSDP(nn.Module):
         self._position: dict[nn.Module, int] = {}  # module -> the (last) use of `_order` it began
         self._recomputed: set[int] = set()  # indices of `_order` this backward has recomputed
         self._reducing: deque = deque()  # (units, Pending, chunks) of reduce-scatters in flight
+        self._replicating: deque = deque()  # (units, Pending, flat chunks) of HSDP's all-reduces in flight
         device = self.shards[0].device if self.units else torch.device("cpu")
         self.gather_wait = WaitClock(device)
         self.gathered = GatheredMemory()
@@ -265,6 +294,9 @@ class FSDP(nn.Module):
             unit.uses += 1
         module.weight = weight
         if self.compute_dtype is not None:
+            # In the parameter's place while the module runs: autograd casts its gradient back to its dtype.
+            for name, param in self._cast[module].items():
+                module._parameters[name] = param.to(self.compute_dtype)
             return tuple(a.to(self.compute_dtype) if torch.is_tensor(a) and a.is_floating_point() else a
                          for a in args)
         return None
@@ -287,8 +319,13 @@ class FSDP(nn.Module):
         self._prefetch(index + 1, end)
 
     def _after(self, module: nn.Module, args: tuple, output) -> None:
-        module.weight = None
+        self._let_go(module)
         self._release(self._unit_of[module])
+
+    def _let_go(self, module: nn.Module) -> None:
+        """The module's own parameters back in place of what it computed with."""
+        module.weight = None
+        module._parameters.update(self._cast.get(module, {}))
 
     def _start_gather(self, units: list[_Unit]) -> None:
         """One all-gather of those of `units` not gathered or in flight already (a group's, in the compute dtype)."""
@@ -296,11 +333,11 @@ class FSDP(nn.Module):
         if not units:
             return
         for unit in units:
-            unit.flat = torch.empty(self.world_size * unit.chunk, dtype=unit.dtype, device=unit.shard.device)
+            unit.flat = torch.empty(self.shard_size * unit.chunk, dtype=unit.dtype, device=unit.shard.device)
             self._storages[unit.flat.untyped_storage().data_ptr()] = unit
             self.gathered.add(unit.flat)
         shards = [unit.padded(unit.shard.detach(), unit.chunk, unit.dtype) for unit in units]
-        pending = all_gather([unit.flat for unit in units], shards, units[0].group.name)
+        pending = all_gather([unit.flat for unit in units], shards, units[0].group.name, self.shard_group)
         for unit in units:
             unit.gathering = pending
 
@@ -356,26 +393,40 @@ class FSDP(nn.Module):
                 self._reduce_scatter(unit.group)
             if unit.saved == 0:  # a recomputation that torch stopped early inside the module never ran `_after`
                 for module in unit.modules:  # which would drop the module's view of the gathered weight
-                    module.weight = None
+                    self._let_go(module)
                 self._release(unit)
 
     def _reduce_scatter(self, group: _Group) -> None:
         """One reduce-scatter of the group's gradients summed so far, each padded to its N chunks."""
         units = [unit for unit in group.units if unit.grad is not None]
-        fulls = [unit.padded(unit.grad.contiguous().view(-1), self.world_size * unit.chunk, unit.grad.dtype)
+        fulls = [unit.padded(unit.grad.contiguous().view(-1), self.shard_size * unit.chunk, unit.grad.dtype)
                  for unit in units]
         chunks = [full.new_empty(unit.chunk) for unit, full in zip(units, fulls)]
         for unit in units:
             unit.grad = None
-        self._reducing.append((units, reduce_scatter_mean(chunks, fulls, group.name), chunks))
+        self._reducing.append((units, reduce_scatter_mean(chunks, fulls, group.name, self.shard_group), chunks))
         while len(self._reducing) > REDUCE_SCATTERS_IN_FLIGHT:
             self._finish_reduce_scatter()
 
     def _finish_reduce_scatter(self) -> None:
         units, pending, chunks = self._reducing.popleft()
         pending.wait()
-        for unit, chunk in zip(units, chunks):
-            unit.add_to_grad(chunk)
+        if self.replicate_group is None:
+            for unit, chunk in zip(units, chunks):
+                unit.add_to_grad(chunk)
+            return
+        # HSDP: the shard group's means averaged over the replicas, one all-reduce of the group's chunks.
+        flat = torch.cat(chunks)
+        pending = all_reduce_mean(flat, f"{units[0].group.name} replicas", self.replicate_group)
+        self._replicating.append((units, pending, flat))
+        while len(self._replicating) > REDUCE_SCATTERS_IN_FLIGHT:
+            self._finish_replicating()
+
+    def _finish_replicating(self) -> None:
+        units, pending, flat = self._replicating.popleft()
+        pending.wait()
+        for unit, chunk in zip(units, flat.split([unit.chunk for unit in units])):
+            unit.add_to_grad(chunk.clone())  # its own tensor: see _average_replicated_gradients
 
     def finish_gradient_synchronization(self) -> None:
         """Wait for the shards' gradients and average the replicated parameters'; call after every backward."""
@@ -384,6 +435,8 @@ class FSDP(nn.Module):
                 self._reduce_scatter(group)
         while self._reducing:
             self._finish_reduce_scatter()
+        while self._replicating:
+            self._finish_replicating()
         self._average_replicated_gradients()
         for unit in self.units:
             self._release(unit)
@@ -393,11 +446,14 @@ class FSDP(nn.Module):
         self.gather_wait.lap()
 
     def _average_replicated_gradients(self) -> None:
-        """One all-reduce per dtype of every replicated gradient packed flat (zeros where a parameter got none)."""
+        """One all-reduce per dtype of every replicated gradient packed flat (zeros where a parameter got none),
+        over the shard group, then over the replicas: the order of the shards' reduction."""
         for dtype in dict.fromkeys(p.dtype for p in self._replicated):  # the same order on every rank
             params = [p for p in self._replicated if p.dtype == dtype]
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-            all_reduce_mean(flat, "replicated gradients").wait()
+            all_reduce_mean(flat, "replicated gradients", self.shard_group).wait()
+            if self.replicate_group is not None:
+                all_reduce_mean(flat, "replicated gradients replicas", self.replicate_group).wait()
             # Each its own tensor: a view into `flat` may start off a 16-byte boundary, where the fused AdamW
             # would leave that parameter to torch ops, which round differently from one process's update.
             for param, grad in zip(params, flat.split([p.numel() for p in params])):
@@ -409,8 +465,9 @@ class FSDP(nn.Module):
         full = {}
         for name, owner in self._named:
             if isinstance(owner, _Unit):
-                flat = owner.shard.new_empty(self.world_size * owner.chunk)
-                all_gather([flat], [owner.padded(owner.shard, owner.chunk, owner.shard.dtype)], name).wait()
+                flat = owner.shard.new_empty(self.shard_size * owner.chunk)
+                all_gather([flat], [owner.padded(owner.shard, owner.chunk, owner.shard.dtype)], name,
+                           self.shard_group).wait()
                 full[name] = flat[:owner.numel].view(owner.shape)
             else:
                 full[name] = owner.detach().clone()
@@ -423,7 +480,7 @@ def _saved_units(group: _Group) -> list[_Unit]:
 
 
 def get_fsdp(module: nn.Module, compute_dtype: torch.dtype | None = None, **levers) -> FSDP:
-    """The course's adapter: `module` wrapped in FSDP (`levers`: FSDP's prefetch and gather)."""
+    """The course's adapter: `module` wrapped in FSDP (`levers`: FSDP's prefetch, gather and mesh)."""
     return FSDP(module, compute_dtype, **levers)
 
 

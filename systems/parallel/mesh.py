@@ -1,0 +1,155 @@
+"""Where each rank sits in a 3D layout of the process group, and its process groups along each axis.
+
+`Layout(replicate, shard, tensor)` splits world = replicate x shard x tensor ranks as torchtitan's ParallelDims
+does: rank = (r * shard + s) * tensor + t. Tensor-parallel ranks are adjacent (inside a node: TP all-reduces
+every block's activations, forward and backward), a shard group's next (FSDP all-gathers every weight), and the
+replicas farthest apart (across nodes: HSDP all-reduces only 1/shard of the gradients there, once a step).
+
+- FSDP over the world: `Layout(shard=N)`, FSDP's default without a mesh.
+- HSDP: `Layout(replicate=nodes, shard=gpus_per_node)`: shards inside a node, replicas across nodes.
+- DDP-like: `Layout(replicate=N)`: a shard group of one, whole weights, gradients all-reduced over the replicas.
+- TP with FSDP (2D): `Layout(shard=dp, tensor=tp)`: TP shards each block, FSDP shards each TP shard over dp.
+
+`Mesh(layout)` creates the process groups (every rank calls `dist.new_group` for every group of every axis, in
+the same order, as torch requires; a group spanning the world is the world's) and holds this rank's `Axis` on
+each: `replicate`, `shard`, `tensor`, and `data` (replicate x shard: the ranks that split the batch and hold
+the same TP shard). `device_mesh(layout)` is torch's DeviceMesh of the same layout, for FSDP2 and torch's TP;
+`TorchHSDP` is FSDP2 over it with the interface of our wrappers.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+AXES = ("replicate", "shard", "tensor")  # outermost first
+
+
+@dataclass(frozen=True)
+class Layout:
+    replicate: int = 1
+    shard: int = 1
+    tensor: int = 1
+
+    def __post_init__(self):
+        for axis in AXES:
+            size = getattr(self, axis)
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"Layout's {axis} must be a positive int, got {size!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.replicate * self.shard * self.tensor
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """{axis: index} of `rank`: rank = (replicate * shard + shard index) * tensor + tensor index."""
+        rest, t = divmod(rank, self.tensor)
+        r, s = divmod(rest, self.shard)
+        return {"replicate": r, "shard": s, "tensor": t}
+
+    def rank(self, replicate: int, shard: int, tensor: int) -> int:
+        return (replicate * self.shard + shard) * self.tensor + tensor
+
+    def groups(self, axes: tuple[str, ...]) -> list[tuple[int, ...]]:
+        """Every group of ranks that differ only along `axes`, each in rank order, ordered by their first rank."""
+        sizes = {axis: range(getattr(self, axis)) for axis in AXES}
+        fixed = [axis for axis in AXES if axis not in axes]
+        groups = []
+        for held in itertools.product(*(sizes[axis] for axis in fixed)):
+            base = dict(zip(fixed, held))
+            ranks = sorted(self.rank(**base, **dict(zip(axes, moving)))
+                           for moving in itertools.product(*(sizes[axis] for axis in axes)))
+            groups.append(tuple(ranks))
+        return sorted(groups)
+
+
+@dataclass(frozen=True)
+class Axis:
+    """This rank's process group along one axis (or, for `data`, two): its members' global ranks, in the group's
+    rank order, and this rank's index among them."""
+
+    group: dist.ProcessGroup
+    ranks: tuple[int, ...]
+    index: int
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def source(self) -> int:
+        """The global rank of the group's first member: what broadcasts start from."""
+        return self.ranks[0]
+
+
+class Mesh:
+    """This rank's process groups under `layout`, created collectively: build it on every rank, in the same order
+    as any other group."""
+
+    def __init__(self, layout: Layout):
+        if not isinstance(layout, Layout):
+            raise TypeError(f"Mesh takes a Layout, got {layout!r}")
+        if not dist.is_initialized():
+            raise RuntimeError("Mesh needs an initialized process group (systems.parallel.ranks.launch, torchrun)")
+        if layout.world_size != dist.get_world_size():
+            raise ValueError(f"{layout} has {layout.world_size} ranks, the process group {dist.get_world_size()}")
+        self.layout = layout
+        self.rank = dist.get_rank()
+        self.coordinates = layout.coordinates(self.rank)
+        self.replicate = self._axis(("replicate",))
+        self.shard = self._axis(("shard",))
+        self.tensor = self._axis(("tensor",))
+        self.data = self._axis(("replicate", "shard"))
+
+    def _axis(self, axes: tuple[str, ...]) -> Axis:
+        mine = None
+        for ranks in self.layout.groups(axes):  # every rank creates every group, in the same order
+            group = dist.group.WORLD if len(ranks) == self.layout.world_size else dist.new_group(list(ranks))
+            if self.rank in ranks:
+                mine = Axis(group, ranks, ranks.index(self.rank))
+        return mine
+
+    def __repr__(self) -> str:
+        return f"Mesh({self.layout}, rank {self.rank} at {self.coordinates})"
+
+
+def device_mesh(layout: Layout, axes: tuple[str, ...] = AXES):
+    """Torch's DeviceMesh over the same ranks, with the dimensions `axes` (outermost first; the others must be of
+    size 1), named as ours, on this rank's device type."""
+    from torch.distributed.device_mesh import init_device_mesh  # here: a slow import
+
+    if any(getattr(layout, axis) > 1 for axis in AXES if axis not in axes):
+        raise ValueError(f"{layout} has ranks along an axis outside {axes}")
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device, tuple(getattr(layout, axis) for axis in axes), mesh_dim_names=axes)
+
+
+class TorchHSDP(nn.Module):
+    """Torch's FSDP2 (`fully_shard` block by block, then the root) over a 2D DeviceMesh (replicate, shard): HSDP
+    when both are above 1. Weights cast to `compute_dtype` before the all-gathers, gradients reduced in it, as
+    systems.parallel.train.TorchFSDP2 does over the world."""
+
+    def __init__(self, module: nn.Module, compute_dtype: torch.dtype, layout: Layout):
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # here: a slow import
+
+        if layout.tensor != 1:
+            raise ValueError(f"TorchHSDP shards and replicates only; got {layout}")
+        super().__init__()
+        with torch.no_grad():  # ranks start apart; fully_shard does not broadcast
+            for tensor in itertools.chain(module.parameters(), module.buffers()):
+                dist.broadcast(tensor, src=0)
+        mesh = device_mesh(layout, ("replicate", "shard"))
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=compute_dtype)
+        for block in module.blocks:
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        self.module = fully_shard(module, mesh=mesh, mp_policy=policy)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def finish_gradient_synchronization(self) -> None:
+        """Nothing left to do: FSDP2 waits for its reduce-scatters and all-reduces at the end of backward."""
