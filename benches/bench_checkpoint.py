@@ -10,6 +10,7 @@ weights, buffers and AdamW state), measured and predicted. A point that runs out
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import pytest
@@ -54,9 +55,9 @@ def _free_memory():
 
 
 def point_config(point: CheckpointPoint | ContextSearchPoint, context: int, device: torch.device) -> TransformerConfig:
-    config = get_config(point.preset, attention=point.attention, context_length=context)
+    config = get_config(point.preset, point.edition, attention=point.attention, context_length=context)
     levels = checkpoint_levels(point.scheme, config, point.batch, context, point.precision, device=device.type)
-    return get_config(point.preset, attention=point.attention, context_length=context, checkpoint=levels)
+    return dataclasses.replace(config, checkpoint=levels)
 
 
 def measure_steps(benchmark, config: TransformerConfig, batch: int, precision: Precision, device,

@@ -63,8 +63,9 @@ def pytest_generate_tests(metafunc):
 
 def test_ddp_step(benchmark, point, rank_pools, grid, device, skip_on_oom):
     benchmark.group = f"ddp-step-{point.precision.name}-ctx{point.context}"
-    spec = spec_for(grid, preset=point.preset, variant=point.variant, bucket_size_mb=point.bucket_size_mb,
-                    precision=point.precision, batch_size=point.batch, context=point.context)
+    spec = spec_for(grid, preset=point.preset, edition=point.edition, variant=point.variant,
+                    bucket_size_mb=point.bucket_size_mb, precision=point.precision, batch_size=point.batch,
+                    context=point.context)
     record_point(benchmark, point)
     with skip_on_oom:
         ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec)
@@ -78,9 +79,9 @@ def test_optimizer_memory(benchmark, optimizer_point, rank_pools, grid, skip_on_
     """Optimizer state per rank and peak memory, for AdamW, ShardedOptimizer(AdamW) and ZeRO-1 of torch."""
     point = optimizer_point
     benchmark.group = f"optimizer-{point.world_size}ranks"
-    spec = spec_for(grid, preset=point.preset, variant=Variant.BUCKETED, bucket_size_mb=SHARDED_BUCKET_MB,
-                    optimizer=point.optimizer, precision=point.precision, batch_size=point.batch,
-                    context=point.context)
+    spec = spec_for(grid, preset=point.preset, edition=point.edition, variant=Variant.BUCKETED,
+                    bucket_size_mb=SHARDED_BUCKET_MB, optimizer=point.optimizer, precision=point.precision,
+                    batch_size=point.batch, context=point.context)
     record_point(benchmark, point)
     with skip_on_oom:
         ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec)

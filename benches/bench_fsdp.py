@@ -59,9 +59,9 @@ def test_fsdp_step(benchmark, fsdp_point, rank_pools, grid, device, skip_on_oom)
     point = fsdp_point
     benchmark.group = f"fsdp-step-{point.preset}-{point.precision.name}-ctx{point.context}"
     levers = {} if point.variant != Variant.FSDP else dict(fsdp_prefetch=point.prefetch, fsdp_gather=point.gather)
-    spec = spec_for(grid, preset=point.preset, variant=point.variant, precision=point.precision,
-                    bucket_size_mb=DDP_BUCKET_MB if point.variant == Variant.BUCKETED else 25.0,
-                    batch_size=point.batch, context=point.context, **levers)
+    spec = spec_for(grid, preset=point.preset, edition=point.edition, variant=point.variant,
+                    precision=point.precision, bucket_size_mb=DDP_BUCKET_MB if point.variant == Variant.BUCKETED
+                    else 25.0, batch_size=point.batch, context=point.context, **levers)
     record_point(benchmark, point)
     with skip_on_oom:
         ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec, step_breakdown)

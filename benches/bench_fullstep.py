@@ -103,9 +103,9 @@ def seconds_since_process_start() -> float | None:
 
 def spec_of(point: FullStepPoint, grid) -> TrainSpec:
     levers = {} if point.variant != Variant.FSDP else dict(fsdp_prefetch=point.prefetch, fsdp_gather=point.gather)
-    return spec_for(grid, preset=point.preset, variant=point.variant, precision=point.precision,
-                    batch_size=point.batch, context=point.context, attention=point.attention,
-                    checkpoint=point.checkpoint, loss_chunk=point.loss_chunk, **levers)
+    return spec_for(grid, preset=point.preset, edition=point.edition, variant=point.variant,
+                    precision=point.precision, batch_size=point.batch, context=point.context,
+                    attention=point.attention, checkpoint=point.checkpoint, loss_chunk=point.loss_chunk, **levers)
 
 
 def test_fullstep(benchmark, fullstep_point, rank_pools, grid, device, skip_on_oom):

@@ -74,7 +74,7 @@ class ModelCache:
 
 def build_model(point: ModelPoint | WarmupPoint, device, context_length, compile: str = "eager") -> TransformerLM:
     """The point's model, its context long enough for every point of the grid (the RoPE tables' length)."""
-    config = get_config(point.preset, attention=point.attention, context_length=context_length)
+    config = get_config(point.preset, point.edition, attention=point.attention, context_length=context_length)
     model = make_model(config, device, point.precision)
     if compile == "regional":
         # Block by block: identical blocks share one compiled graph, so compile time does not grow

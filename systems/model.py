@@ -133,9 +133,6 @@ EDITIONS = {
 }
 # 2025 by default: the preset names in histories saved before editions existed mean 2025's models.
 DEFAULT_EDITION = "2025"
-# The default edition's table, for callers that take no edition yet (the benchmark options, TrainSpec); a caller
-# that knows its edition asks EDITIONS[edition].
-PRESETS = EDITIONS[DEFAULT_EDITION]
 
 
 def get_config(preset: str, edition: str = DEFAULT_EDITION, **overrides) -> TransformerConfig:

@@ -7,7 +7,7 @@ import torch
 
 from systems.attention import BACKENDS, naive_attention
 from systems.loss import cross_entropy
-from systems.model import (EDITIONS, PRESETS, Attention, RMSNorm, RotaryEmbedding, SwiGLU, TransformerBlock,
+from systems.model import (EDITIONS, Attention, RMSNorm, RotaryEmbedding, SwiGLU, TransformerBlock,
                            TransformerConfig, TransformerLM, check_id_range, get_config)
 from systems.optim import AdamW
 from systems.precision import PRECISIONS
@@ -78,7 +78,7 @@ def test_presets_have_each_editions_table():
 
 def test_the_default_edition_is_2025():
     """Preset names saved before editions existed keep meaning 2025's models."""
-    assert get_config("xl") == get_config("xl", "2025") == PRESETS["xl"]
+    assert get_config("xl") == get_config("xl", "2025") == EDITIONS["2025"]["xl"]
     assert get_config("xl").d_model == 1600
 
 

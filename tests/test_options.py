@@ -11,7 +11,7 @@ import pytest
 
 from systems.accounting import Checkpointing
 from systems.attention import BENCHED_BACKENDS
-from systems.model import PRESETS, Attention
+from systems.model import EDITIONS, Attention
 from systems.parallel.fsdp import Gather
 from systems.parallel.spec import Variant
 from systems.precision import PRECISIONS
@@ -33,8 +33,9 @@ def test_grid(request):
     ("--attn-precisions=fp8", "--attn-precisions: unknown precision 'fp8'; choose from fp32, bf16, fp16"),
     ("--attn-precisions=bf16-weights", "--attn-precisions: unknown precision 'bf16-weights'"),
     ("--precisions=fp32,fp8", "--precisions: unknown precision 'fp8'"),
-    ("--presets=huge", f"--presets: unknown preset 'huge'; choose from {', '.join(PRESETS)}"),
-    ("--ddp-preset=nope", "--ddp-preset: unknown preset 'nope'"),
+    ("--presets=huge", f"--presets: no preset 'huge' in the 2025 edition; choose from {', '.join(EDITIONS['2025'])}"),
+    ("--ddp-preset=nope", "--ddp-preset: no preset 'nope' in the 2025 edition"),
+    ("--presets=10B", "--presets: no preset '10B' in the 2025 edition"),
     ("--attention=flsh", f"--attention: unknown attention backend 'flsh'; choose from {', '.join(Attention)}"),
     ("--allreduce-backends=mpi", "--allreduce-backends: unknown backend 'mpi'; choose from gloo, nccl"),
     ("--fsdp-gather=blocks", f"--fsdp-gather: unknown gather 'blocks'; choose from {', '.join(Gather)}"),
@@ -77,7 +78,7 @@ def test_options_become_their_levers_in_one_typed_grid(inner_pytest):
                                             "--bucket-sizes-mb=0.5,100", "-p", "no:cacheprovider")
     assert ran.ret == pytest.ExitCode.OK, ran.stderr.str()
     grid = json.loads((inner_pytest.path / "grid.json").read_text())
-    assert grid["presets"] == repr(list(PRESETS))
+    assert grid["presets"] == repr(list(EDITIONS["2025"]))
     assert grid["precisions"] == repr([PRECISIONS["bf16-weights"]])
     assert grid["checkpoint"] == repr([Checkpointing.parse(text) for text in ("none", "every4", "6x1", "nested")])
     assert grid["fsdp_gather"] == repr([Gather.LAYER, Gather.BLOCK])

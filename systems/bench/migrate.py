@@ -155,7 +155,7 @@ def _config(point, **levers) -> dict:
     fields = {"context_length": point.context} | levers
     if hasattr(point, "attention"):
         fields["attention"] = point.attention
-    return to_record(get_config(point.preset, **fields))
+    return to_record(get_config(point.preset, point.edition, **fields))
 
 
 def _throughput(info: dict) -> Throughput | None:
@@ -192,7 +192,7 @@ def _checkpoint_measured(info: dict, point, context: int) -> CheckpointMeasured:
         predicted_peak_mb=info["predicted_peak_mb"], predicted_activation_mb=info["predicted_activation_mb"],
         peak_memory_mb=info.get("peak_memory_mb"), activation_mb=info.get("activation_mb"),
         recomputed_tflop=info["recomputed_tflop"], tokens_per_s=info.get("tokens_per_s"),
-        throughput=_throughput(info), config=to_record(get_config(point.preset, context_length=context,
+        throughput=_throughput(info), config=to_record(get_config(point.preset, point.edition, context_length=context,
                                                                   attention=point.attention,
                                                                   checkpoint=tuple(info["checkpoint"]))))
 

@@ -17,14 +17,11 @@ import pytest
 
 from systems.accounting.checkpointing import Checkpointing
 from systems.attention.backends import BENCHED_BACKENDS
-from systems.model import PRESETS, Attention
+from systems.model import DEFAULT_EDITION, EDITIONS, Attention
 from systems.parallel.fsdp import Gather, check_prefetch
 from systems.parallel.ranks import BACKENDS
 from systems.parallel.spec import Variant
 from systems.precision import DTYPES, Precision, get_precision
-
-EDITIONS = ("2025", "2026")
-
 
 def _number(kind: type, text: str):
     try:
@@ -120,7 +117,7 @@ class Option:
 GROUPS: dict[str, tuple[str, list[Option]]] = {
     "systems-lab grids": ("what the benchmarks sweep; defaults fit a laptop CPU", [
         Option("--presets", _name, "tiny", "model presets (bench_model, bench_checkpoint), or all", many=True),
-        Option("--edition", _one_of(EDITIONS, "edition"), "2025",
+        Option("--edition", _one_of(tuple(EDITIONS), "edition"), DEFAULT_EDITION,
                "the CS336 edition whose model table the presets name: 2025 or 2026 (xl differs; 10B is 2026's)"),
         Option("--contexts", _positive(int), "128", "context lengths", many=True),
         Option("--compile-contexts", _positive(int), "", "context lengths at which bench_model also runs under "
@@ -211,13 +208,14 @@ def add_options(parser) -> None:
 def configure_grid(config) -> Grid:
     """The options as one Grid, checked as a whole; kept in the config's stash for `grid_of`."""
     values = {dest: config.getoption(dest) for dest in OPTIONS}
+    presets = EDITIONS[values["edition"]]
     if values["presets"] == ["all"]:
-        values["presets"] = list(PRESETS)
+        values["presets"] = list(presets)
     for dest in PRESET_OPTIONS:
         for name in values[dest] if isinstance(values[dest], list) else [values[dest]]:
-            if name not in PRESETS:
-                raise pytest.UsageError(f"{OPTIONS[dest].flag}: unknown preset {name!r}; choose from "
-                                        f"{', '.join(PRESETS)}")
+            if name not in presets:
+                raise pytest.UsageError(f"{OPTIONS[dest].flag}: no preset {name!r} in the {values['edition']} "
+                                        f"edition; choose from {', '.join(presets)} (--edition chooses the table)")
     if values["max_context"] < values["contexts"][0]:
         raise pytest.UsageError(f"--max-context {values['max_context']} is below the first of --contexts "
                                 f"({values['contexts'][0]}): the context search would run nothing")

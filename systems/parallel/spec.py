@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from systems.accounting.checkpointing import Checkpointing
 from systems.accounting.transformer import checkpoint_levels
 from systems.loss import check_chunk
-from systems.model import Attention, TransformerConfig, get_config
+from systems.model import DEFAULT_EDITION, Attention, TransformerConfig, get_config
 from systems.parallel.fsdp import DEFAULT_GATHER, DEFAULT_PREFETCH, Gather, check_prefetch
 from systems.precision import PRECISIONS, Precision, get_precision
 
@@ -62,6 +62,7 @@ class Optimizer(_Choice):
 @dataclass(frozen=True)
 class TrainSpec:
     preset: str = "tiny"
+    edition: str = DEFAULT_EDITION  # whose table names the preset (systems.model.EDITIONS)
     variant: Variant = Variant.BUCKETED
     bucket_size_mb: float | None = 25.0  # bucketed and torch; None: one bucket (bucketed only)
     optimizer: Optimizer = Optimizer.ADAMW
@@ -96,11 +97,11 @@ class TrainSpec:
             check_chunk(self.loss_chunk)
         if min(self.batch_size, self.context, self.steps) < 1 or self.warmup < 0:
             raise ValueError("batch_size, context and steps must be positive and warmup non-negative")
-        get_config(self.preset, context_length=self.context)  # a known preset that takes this context
+        get_config(self.preset, self.edition, context_length=self.context)  # a known preset of the edition
 
     def config(self, device: str = "cuda") -> TransformerConfig:
         """The model this run trains; `device` ("cuda" or "cpu") decides nested checkpointing's sizes."""
-        base = get_config(self.preset, context_length=self.context, loss_chunk=self.loss_chunk,
+        base = get_config(self.preset, self.edition, context_length=self.context, loss_chunk=self.loss_chunk,
                           attention=self.attention)
         levels = checkpoint_levels(self.checkpoint, base, self.batch_size, self.context, self.precision,
                                    device=device)

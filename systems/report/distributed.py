@@ -122,7 +122,7 @@ def _bucket_model(run: Run, step: Result) -> BucketedAllReduce | None:
     calls = run.select("allreduce", backend=step.measured.backend, world_size=point.world_size)
     if not single:
         return None
-    params = count_parameters(get_config(point.preset, context_length=point.context))
+    params = count_parameters(get_config(point.preset, point.edition, context_length=point.context))
     return fit_bucketed_allreduce(backward_seconds=single[0].measured.phases.backward_s,
                                   param_bytes=point.precision.grad_bytes * params, world_size=point.world_size,
                                   allreduces=[(r.measured.bytes, r.measured.latency_s) for r in calls])

@@ -63,7 +63,7 @@ def model_tables(run: Run) -> list[Table]:
 def _predicted_memory(point: ModelPoint) -> list[str]:
     if point.compile != "eager":
         return ["", "", ""]
-    config = get_config(point.preset, attention=point.attention, context_length=point.context)
+    config = get_config(point.preset, point.edition, attention=point.attention, context_length=point.context)
     peak = peak_memory(config, point.batch, point.context, point.precision)
     return [mib(peak.forward), mib(peak.forward_backward), mib(peak.train_step)]
 
@@ -193,7 +193,7 @@ def _ratio(result: Result, baseline, figure) -> str:
 
 def _predicted_step(point: CheckpointPoint) -> list[str]:
     """The accounting's peak and activation memory of a point that ran out of memory, in MiB."""
-    config = get_config(point.preset, attention=point.attention, context_length=point.context)
+    config = get_config(point.preset, point.edition, attention=point.attention, context_length=point.context)
     levels = checkpoint_levels(point.scheme, config, point.batch, point.context, point.precision)
     peak = peak_memory(dataclasses.replace(config, checkpoint=levels), point.batch, point.context,
                        point.precision).train_step
