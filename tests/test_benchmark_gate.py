@@ -9,6 +9,7 @@ and skipped by the gate and the report; runs saving at once get distinct numbers
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -16,69 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from sleep_bench import BENCH, GATE, bench, histories, regressed  # noqa: F401 (bench is a fixture)
 from systems import report
 
 ROOT = Path(__file__).resolve().parents[1]
-
-BENCH = """
-import os
-import signal
-import time
-
-DELAY = {{"first": {first}, "last": {last}}}  # seconds
-
-
-def nap(benchmark, point):
-    factor = float(os.environ.get("SLOWDOWN_" + point, os.environ.get("SLOWDOWN", "1")))
-    benchmark.pedantic(time.sleep, args=(DELAY[point] * factor,), rounds=5, warmup_rounds=1)
-
-
-def test_first(benchmark):
-    nap(benchmark, "first")
-
-
-def test_stop():
-    stop = os.environ.get("STOP")
-    if stop == "interrupt":
-        # As Ctrl-C does. The handler is set here: a run started from a background shell, nohup or some CI
-        # runners inherits SIGINT ignored, and Python keeps an ignored SIGINT ignored.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(30)  # the handler raises KeyboardInterrupt here, cutting the sleep short, not in a later test
-    assert stop != "fail"
-
-
-def test_last(benchmark):
-    nap(benchmark, "last")
-"""
-# A sleep's overshoot is scheduler latency, far below the delay even on a loaded machine: 50% lies well between
-# the same code (0%) and the 2x slowdown (+100%).
-GATE = "--benchmark-gate=mean:50%"
-
-
-@pytest.fixture
-def bench(inner_pytest, monkeypatch):
-    """A project with BENCH, run with the plugin; `bench(*args, **env)` runs pytest there with env set."""
-    inner_pytest.makepyfile(test_sleep=BENCH.format(first=0.01, last=0.01))
-
-    def run(*args, **env):
-        for name in ("SLOWDOWN", "SLOWDOWN_first", "SLOWDOWN_last", "STOP"):
-            monkeypatch.delenv(name, raising=False)
-        for name, value in env.items():
-            monkeypatch.setenv(name, str(value))
-        return inner_pytest.runpytest_subprocess("-p", "no:cacheprovider", *args)
-
-    return run
-
-
-def histories(pytester) -> list[Path]:
-    return sorted(pytester.path.glob(".benchmarks/*/*.json"))
-
-
-def regressed(result) -> list[str]:
-    """The points pytest-benchmark lists under 'Performance has regressed'."""
-    text = result.stdout.str() + result.stderr.str()
-    return re.findall(r"^\s+(test_\w+) .* has failed PercentageRegressionCheck", text, re.MULTILINE)
 
 
 def test_gate_saves_a_first_baseline_passes_on_same_code_and_trips_on_2x_slowdown(bench, inner_pytest):
@@ -119,8 +61,14 @@ def test_gate_compares_each_point_with_the_newest_run_that_holds_it(bench):
     ("fail", ["-x"], False),
     ("fail", [], True),  # a failed test is a result: the run still went through all its tests
 ], ids=["ctrl-c", "exitfirst", "failed-test"])
-def test_run_that_stops_early_is_saved_as_partial(bench, inner_pytest, stop, args, complete):
-    bench("--benchmark-autosave", *args, STOP=stop)
+@pytest.mark.parametrize("sigint", [signal.default_int_handler, signal.SIG_IGN], ids=["foreground", "background"])
+def test_run_that_stops_early_is_saved_as_partial(bench, inner_pytest, stop, args, complete, sigint):
+    """Also when started from a background shell, nohup or a CI runner, whose children inherit SIGINT ignored."""
+    previous = signal.signal(signal.SIGINT, sigint)
+    try:
+        bench("--benchmark-autosave", *args, STOP=stop)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     (history,) = histories(inner_pytest)
     saved = json.loads(history.read_text())
     assert saved["systems_lab_complete"] is complete
@@ -217,7 +165,8 @@ def repo(inner_pytest):
 
 def gate_rows(result) -> dict[str, str]:
     """{point: verdict} from the gate's table."""
-    rows = re.findall(r"^test_\w+\.py::(test_\w+) .*  (SLOWER|ok|new, not gated)$", result.stdout.str(), re.MULTILINE)
+    verdicts = r"SLOWER|ok|new, not gated|too noisy[^\n]*"
+    rows = re.findall(rf"^test_\w+\.py::(test_\w+) .*  ({verdicts})$", result.stdout.str(), re.MULTILINE)
     return dict(rows)
 
 
@@ -225,7 +174,7 @@ def test_gate_against_a_revision_trips_on_the_slowed_point_only(repo, inner_pyte
     repo("test_sleep.py", BENCH.format(first=0.01, last=0.01))
     (inner_pytest.path / "test_sleep.py").write_text(BENCH.format(first=0.01, last=0.02))  # not committed
     result = inner_pytest.runpytest_subprocess("-p", "no:cacheprovider", "test_sleep.py", GATE, "--benchmark-autosave",
-                                               "--benchmark-gate-against=HEAD", "--benchmark-gate-turns", "2")
+                                               "--benchmark-gate-against=HEAD", "--benchmark-gate-turns", "3")
     assert result.ret == 1, result.stdout.str()
     assert gate_rows(result) == {"test_first": "ok", "test_last": "SLOWER"}
     assert "1 of 2 points slower than HEAD" in result.stdout.str()
@@ -266,13 +215,14 @@ def test_matmuls(benchmark):
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_gate_against_trips_on_a_10_percent_gpu_slowdown_and_holds_on_unchanged_code(repo, inner_pytest):
-    """The issue's demonstration: 5 of 5 gates green on unchanged code, and red on a 10% slowdown."""
+    """Green on unchanged code, twice, and red on a 10% slowdown; each verdict with its interval (the gate's error
+    rates over many runs: docs/gate-error-rates.md)."""
     repo("test_matmuls.py", GPU_BENCH.format(iterations=10))
     args = ("-p", "no:cacheprovider", "test_matmuls.py", "--benchmark-gate=median:5%",
             "--benchmark-gate-against=HEAD", "--benchmark-gate-turns=3")
-    results = [inner_pytest.runpytest_subprocess(*args) for _ in range(5)]
+    results = [inner_pytest.runpytest_subprocess(*args) for _ in range(2)]
     (inner_pytest.path / "test_matmuls.py").write_text(GPU_BENCH.format(iterations=11))
     results.append(inner_pytest.runpytest_subprocess(*args))
-    for name, result in zip(["unchanged"] * 5 + ["slowed 10%"], results):
+    for name, result in zip(["unchanged"] * 2 + ["slowed 10%"], results):
         print(name, *[line for line in result.outlines if "test_matmuls.py::" in line])
-    assert [result.ret for result in results] == [0] * 5 + [1]
+    assert [list(gate_rows(result).values()) for result in results] == [["ok"], ["ok"], ["SLOWER"]]

@@ -4,28 +4,29 @@ Saved histories drift from one day to the next (clocks, temperature, drivers), s
 wide margin. This gate checks REV out in a temporary git worktree and runs the session's selection of
 benchmarks in both trees, alternately, `turns` times, each run a fresh `pytest` process. The working tree's
 last turn is the session that asked for the gate: it prints and saves its results as any run does, and fails
-if a point is slower than REV's by more than the --benchmark-gate threshold.
+if a point is slower than REV's by more than the --benchmark-gate threshold, significantly (systems.bench.verdicts
+decides each point from its paired turns).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 from pytest_benchmark.utils import PercentageRegressionCheck, RegressionCheck, get_tag, parse_compare_fail
 
 from systems.bench.history import Histories
+from systems.bench.verdicts import CONFIDENCE, Verdict, decide
 
 BASELINE, WORK = "baseline", "working tree"
 # Options of the session that its turns must not repeat: the gate's own, and saving (only the session saves).
@@ -65,17 +66,7 @@ def configure(config) -> None:
     # One Python/OS folder holds the runs of every GPU kind (H100 and H200 alike): compare like with like.
     history_gate = check if against is None else None
     gpu = device_info()["gpu"] if history_gate else None
-    config.pluginmanager.register(Histories(history_gate, gpu), "systems-lab-histories")
-
-
-@dataclass(frozen=True)
-class Point:
-    name: str  # pytest's node id
-    baseline: float | None  # seconds: the check's statistic of the rounds, median over turns; None if absent
-    work: float | None
-    changes: tuple[float, ...]  # per turn, the working tree against the baseline as the check measures it
-    change: float | None  # their median
-    slower: bool
+    config.pluginmanager.register(Histories(config, history_gate, gpu), "systems-lab-histories")
 
 
 def turn_orders(turns: int) -> list[tuple[str, str]]:
@@ -85,73 +76,42 @@ def turn_orders(turns: int) -> list[tuple[str, str]]:
     return [(BASELINE, WORK) if (turns - 1 - turn) % 2 == 0 else (WORK, BASELINE) for turn in range(turns)]
 
 
-def compare(baseline_turns: list[dict[str, float]], work_turns: list[dict[str, float]],
-            check: RegressionCheck) -> list[Point]:
-    """Each point's verdict from its timings per turn ({node id: seconds}, turn by turn, both trees).
-
-    The statistics: within a turn the two trees run back to back, so a turn's paired change (the working tree
-    against the baseline, as the check measures it: percent or seconds) carries little of the drift between
-    turns. The median over turns then ignores a turn that a disturbance hit (a background job, a clock step),
-    where a mean would take it in. On unchanged code the paired changes scatter around zero by the run-to-run
-    noise of one point's statistic; a real slowdown shifts every turn's change by its size. So a threshold
-    halfway to the slowdown to catch (5% for 10%) holds both ways when that noise is a few times smaller than
-    the margin, and more turns narrow the median's scatter. tests/test_benchmark_gate.py measures both ways on
-    a GPU.
-    """
-    points = []
-    for name in sorted(set().union(*baseline_turns, *work_turns)):
-        pairs = [(base[name], work[name]) for base, work in zip(baseline_turns, work_turns)
-                 if name in base and name in work]
-        if not pairs:
-            base = [turn[name] for turn in baseline_turns if name in turn]
-            work = [turn[name] for turn in work_turns if name in turn]
-            points.append(Point(name, _median(base), _median(work), (), None, False))
-            continue
-        field = check.field
-        changes = tuple(check.compute({field: work}, {field: base}) for base, work in pairs)
-        change = statistics.median(changes)
-        points.append(Point(name, statistics.median(b for b, _ in pairs), statistics.median(w for _, w in pairs),
-                            changes, change, change > check.threshold))
-    return points
-
-
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
-
-
 def describe(check: RegressionCheck) -> str:
     """The check as --benchmark-gate spells it: median:5% or mean:0.001."""
     unit = "%" if isinstance(check, PercentageRegressionCheck) else ""
     return f"{check.field}:{check.threshold}{unit}"
 
 
-def report_lines(points: list[Point], against: str, turns: int, check: RegressionCheck) -> list[str]:
-    width = max([len(p.name) for p in points] + [5])
-    lines = [f"benchmark gate: the working tree against {against}, turns: {turns}; fails above {describe(check)} "
-             f"(the {check.field} of each run's rounds; times and change are medians over turns)",
-             f"{'point':<{width}}  {'baseline (ms)':>13}  {'working tree (ms)':>17}  {'change':>9}  "
+def report_lines(verdicts: list[Verdict], against: str, turns: int, check: RegressionCheck) -> list[str]:
+    width = max([len(v.name) for v in verdicts] + [5])
+    unit = "%" if isinstance(check, PercentageRegressionCheck) else " ms"
+    lines = [f"benchmark gate: the working tree against {against}, turns: {turns}; fails where the change is above "
+             f"{describe(check)} and its {CONFIDENCE:.0%} interval above no change (the {check.field} of each run's "
+             "rounds; times are medians over turns, changes means)",
+             f"{'point':<{width}}  {'baseline (ms)':>13}  {'working tree (ms)':>17}  {'change [interval]' + unit:>28}  "
              f"{'per turn':>{9 * turns}}"]
-    for p in points:
-        per_turn = " ".join(_change(c, check) for c in p.changes)
-        lines.append(f"{p.name:<{width}}  {_ms(p.baseline):>13}  {_ms(p.work):>17}  {_change(p.change, check):>9}  "
-                     f"{per_turn:>{9 * turns}}  {_verdict(p)}")
-    slower = [p.name for p in points if p.slower]
-    if slower:
-        lines.append(f"benchmark gate: {len(slower)} of {len(points)} points slower than {against} by more than "
-                     f"{describe(check)}: {', '.join(slower)}")
+    for v in verdicts:
+        interval = "" if v.change is None else (
+            f"{_change(v.change, check)} [{_change(v.low, check)}, {_change(v.high, check)}]")
+        per_turn = " ".join(_change(c, check) for c in v.changes)
+        needed = "" if v.status != "too noisy" else (f" to gate at {turns} turns: needs {v.turns_needed}"
+                                                     if v.turns_needed else f" to gate at {turns} turns")
+        lines.append(f"{v.name:<{width}}  {_ms(v.baseline):>13}  {_ms(v.work):>17}  {interval:>28}  "
+                     f"{per_turn:>{9 * turns}}  {v.status.upper() if v.slower else v.status}{needed}")
+    for status, what in (("slower", f"slower than {against} by more than {describe(check)}"),
+                         ("too noisy", "too noisy to gate: not gated")):
+        names = [v.name for v in verdicts if v.status == status]
+        if names:
+            lines.append(f"benchmark gate: {len(names)} of {len(verdicts)} points {what}: {', '.join(names)}")
     return lines
 
 
 def _change(change: float | None, check: RegressionCheck) -> str:
     if change is None:
         return ""
-    return f"{change:+.1f}%" if isinstance(check, PercentageRegressionCheck) else f"{change * 1e3:+.3g}ms"
-
-
-def _verdict(point: Point) -> str:
-    if point.change is not None:
-        return "SLOWER" if point.slower else "ok"
-    return "new, not gated" if point.baseline is None else "not in the working tree"
+    if not math.isfinite(change):
+        return "?"
+    return f"{change:+.1f}%" if isinstance(check, PercentageRegressionCheck) else f"{change * 1e3:+.3g}"
 
 
 def _ms(seconds: float | None) -> str:
@@ -206,7 +166,7 @@ class RevisionGate:
         self.turns = turns
         self.check = check
         self.timings: dict[str, list[dict[str, float]]] = {BASELINE: [], WORK: []}  # per turn
-        self.points: list[Point] = []
+        self.verdicts: list[Verdict] = []
 
     def pytest_sessionstart(self) -> None:
         with tempfile.TemporaryDirectory(prefix="benchmark-gate-") as scratch:
@@ -243,13 +203,14 @@ class RevisionGate:
         # A plain hook: it runs after pytest-benchmark's wrapper has finished the session's benchmarks.
         benchmarks = session.config._benchmarksession.benchmarks
         self.timings[WORK].append({bench.fullname: bench[self.check.field] for bench in benchmarks if bench})
-        self.points = compare(self.timings[BASELINE], self.timings[WORK], self.check)
-        if any(point.slower for point in self.points) and session.exitstatus == pytest.ExitCode.OK:
+        self.verdicts = decide(self.timings[BASELINE], self.timings[WORK], self.check)
+        if any(verdict.slower for verdict in self.verdicts) and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter) -> None:
-        if not self.points:
+        if not self.verdicts:
             return
         terminalreporter.section("benchmark gate")
-        for line in report_lines(self.points, self.against, self.turns, self.check):
-            terminalreporter.write_line(line, red=line.endswith("SLOWER") or "points slower" in line)
+        for line in report_lines(self.verdicts, self.against, self.turns, self.check):
+            terminalreporter.write_line(line, red="SLOWER" in line or "points slower" in line,
+                                        yellow="too noisy" in line)

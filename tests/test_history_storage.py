@@ -1,0 +1,94 @@
+"""Saved runs as the gate and --benchmark-compare read them: a history that cannot be read stops the run before
+anything is timed, naming the file and why, and nothing is saved over it; plain --benchmark-compare takes the
+newest complete run; a run interrupted inside a point's warm-up keeps the points it finished, as partial."""
+
+import json
+
+import pytest
+
+from sleep_bench import GATE, bench, histories  # noqa: F401 (bench is a fixture)
+
+CORRUPTIONS = {
+    "truncated": lambda text: text[: len(text) // 2],
+    "empty": lambda text: "",
+    "another-shape": lambda text: json.dumps([1, 2, 3]),
+    "no-fullname": lambda text: json.dumps({**json.loads(text), "benchmarks": [
+        {k: v for k, v in b.items() if k != "fullname"} for b in json.loads(text)["benchmarks"]]}),
+    "stats-moved": lambda text: json.dumps({**json.loads(text), "benchmarks": [
+        {**{k: v for k, v in b.items() if k != "stats"}, "statistics": b["stats"]}
+        for b in json.loads(text)["benchmarks"]]}),
+    "newer-schema": lambda text: json.dumps({**json.loads(text), "systems_lab_schema": 99}),
+}
+MESSAGES = {"truncated": "cannot be read (JSONDecodeError", "empty": "cannot be read (JSONDecodeError",
+            "another-shape": "not a pytest-benchmark history", "no-fullname": "benchmark 0 has no fullname",
+            "stats-moved": "its stats lack", "newer-schema": "saved with schema 99 (this code reads 2): a newer schema"}
+
+
+def corrupt(inner_pytest, how: str) -> str:
+    (history,) = histories(inner_pytest)
+    history.write_text(CORRUPTIONS[how](history.read_text()))
+    return history.read_text()
+
+
+@pytest.mark.parametrize("how", CORRUPTIONS)
+@pytest.mark.parametrize("args", [[GATE], ["--benchmark-compare", "--benchmark-compare-fail=mean:50%"],
+                                  ["--benchmark-compare=0001", "--benchmark-autosave"]],
+                         ids=["gate", "compare-latest", "compare-named"])
+def test_a_history_that_cannot_be_read_stops_the_run_naming_it_and_is_not_saved_over(bench, inner_pytest, how,
+                                                                                     args):
+    bench("--benchmark-autosave").assert_outcomes(passed=3)
+    text = corrupt(inner_pytest, how)
+    ran = bench(*args)
+    assert ran.ret == pytest.ExitCode.USAGE_ERROR
+    output = ran.stdout.str() + ran.stderr.str()
+    line = next(line for line in output.splitlines() if "benchmark history: " in line)
+    assert MESSAGES[how] in line and "0001_" in line
+    assert "passed" not in output and "Traceback" not in output
+    [history] = histories(inner_pytest)  # nothing saved beside it, nor over it
+    assert history.read_text() == text
+
+
+def test_plain_compare_takes_the_newest_complete_run_not_a_partial_one(bench, inner_pytest):
+    bench("--benchmark-autosave").assert_outcomes(passed=3)
+    bench("--benchmark-autosave", STOP="interrupt")
+    first, partial = histories(inner_pytest)
+    assert partial.stem.endswith("_partial")
+    compared = bench("--benchmark-compare", "--benchmark-compare-fail=mean:1000%")
+    assert compared.ret == 0, compared.stdout.str()
+    [line] = [line for line in compared.stdout.lines if line.startswith("benchmark compare: against ")]
+    assert line.endswith(first.name)
+
+
+WARMUP = """
+import os
+import signal
+import time
+
+
+def test_done(benchmark):
+    benchmark.pedantic(time.sleep, args=(0.001,), rounds=3)
+
+
+def test_interrupted_in_warmup(benchmark):
+    def interrupt():
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # whatever the shell handed down
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(30)  # cut short by the KeyboardInterrupt
+
+    benchmark.pedantic(interrupt, rounds=3, warmup_rounds=2)
+
+
+def test_never_reached(benchmark):
+    benchmark(sum, [1])
+"""
+
+
+def test_an_interrupt_in_a_points_warmup_keeps_the_finished_points_as_a_partial_run(inner_pytest):
+    inner_pytest.makepyfile(test_warm=WARMUP)
+    ran = inner_pytest.runpytest_subprocess("-p", "no:cacheprovider", "--benchmark-autosave")
+    assert ran.ret == pytest.ExitCode.INTERRUPTED
+    assert "min() arg is an empty sequence" not in ran.stdout.str() + ran.stderr.str()
+    [history] = histories(inner_pytest)
+    saved = json.loads(history.read_text())
+    assert history.stem.endswith("_partial") and saved["systems_lab_complete"] is False
+    assert [b["name"] for b in saved["benchmarks"]] == ["test_done"]
