@@ -6,7 +6,7 @@ import pathlib
 import matplotlib.image
 import pytest
 
-from histories import (allreduce_measured, config, entry, phases, rate, save_run, step_breakdown)
+from histories import MACHINE, allreduce_measured, config, entry, phases, rate, save_run, step_breakdown
 from systems.accounting import BucketedAllReduce, Checkpointing, count_parameters, peak_memory
 from systems.bench.schema import (AllReducePoint, AttentionMeasured, AttentionPoint, CheckpointMeasured,
                                   CheckpointPoint, DDPMeasured, DDPPoint, FSDPMeasured, FSDPPoint, FullStepMeasured,
@@ -123,7 +123,7 @@ def test_every_deliverable_gets_its_table_and_plots(tmp_path):
     assert [row[0] for row in table_rows(out / "warmup.md")] == ["0", "1", "2", "5"]
 
     handout = table_rows(out / "attention_handout.md")
-    assert ["naive", "16", "1024", "1.024 ± 0.051", "1.024 ± 0.051", "1024"] in handout
+    assert ["naive", "16", "1024", "1.024 ± 0.051", "1.024 ± 0.051", "1,024"] in handout  # MiB, as memory reads
     assert ["naive", "16", "16384", "OOM", ""] in [row[:5] for row in handout]
     flash = (out / "attention_flash.md").read_text()
     assert "| precision | d | seq | pass | naive | sdpa | triton |" in flash
@@ -146,7 +146,7 @@ def test_every_deliverable_gets_its_table_and_plots(tmp_path):
     assert [row[:7] for row in table_rows(out / "ddp_buckets.md")] == [
         ["fp32", "128", "2", "1", "120", "60", "12"], ["fp32", "128", "2", "10", "115", "60", "8"]]
     optimizers = table_rows(out / "sharded_optimizer.md")
-    assert ["2", "sharded", "490.5", "981", "0.5", "0.5", "2750", "10", "200"] in optimizers
+    assert ["2", "sharded", "490", "981", "0.5", "0.5", "2,750", "10", "200"] in optimizers  # MiB whole
 
     for name in ("model_forward", "model_step", "attention_handout_forward_fp32", "attention_flash_forward_bf16",
                  "allreduce_bandwidth", "ddp_buckets"):
@@ -215,7 +215,7 @@ def test_fsdp_table_puts_each_variant_beside_one_process_with_its_peak_against_t
     assert rows[2]["step"] == "410"
     ours = rows[3]
     assert (ours["step"], ours["forward"], ours["all-gather wait"]) == ("480", "160", "12.3")
-    assert (ours["peak"], ours["predicted peak"], ours["peak / predicted"]) == ("1200", "1000", "1.20")
+    assert (ours["peak"], ours["predicted peak"], ours["peak / predicted"]) == ("1,200", "1,000", "1.20")
     assert (ours["vs single"], ours["gathered weights"]) == ("1.2", "64")
     assert rows[1]["vs single"] == "1.125" and rows[0]["vs single"] == ""
     assert rows[4]["all-gather wait"] == "2"
@@ -382,7 +382,9 @@ def test_runs_saved_in_chunks_merge_and_later_runs_win(tmp_path):
     code, out = report(tmp_path, "--run", "1-3")
     assert code == 0
     text = (out / "report.md").read_text()
-    assert text.startswith("# Benchmark report: run 0001+0002+0003")
+    assert text.startswith("# Benchmark report: run 0001-0003\n")
+    assert "3 histories merged" in text.splitlines()[2] and text.count("0001_abc123_") == 1  # listed once, at the end
+    assert text.endswith("- `" + str(storage / MACHINE / "0003_abc123_20260103_120000.json") + "`\n")
     assert (out / "model.md").exists()
     flash = (out / "attention_flash.md").read_text()
     assert "| bf16 | 64 | 1024 | forward | 1.024 | 3 | 0.256 |" in flash  # run 3's sdpa replaced run 1's

@@ -24,18 +24,28 @@ def write_report(run: Run, out: Path, baseline: Run | None = None) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     tables = build_tables(run) + ([comparison_table(run, baseline)] if baseline else [])
     plots = build_plots(run, out)
-    sources = ", ".join(f"`{path}`" for path in run.paths)
-    sections = [f"# Benchmark report: run {run.id}", "",
-                f"{run.machine}; commit {run.commit}; {run.datetime}; from {sources}.", ""]
+    sections = [f"# Benchmark report: run {run.id}", "", header(run), ""]
     if not run.results:
         sections += ["The run holds no benchmarks.", ""]
     for table in tables:
         (out / f"{table.name}.md").write_text(table.markdown())
         sections.append(table.markdown())
     sections += [f"![{path.stem}]({path.name})\n" for path in plots]
+    if len(run.paths) > 1:
+        sections += ["### Sources", ""] + [f"- `{path}`" for path in run.paths] + [""]
     report = out / "report.md"
     report.write_text("\n".join(sections))
     return report
+
+
+def header(run: Run) -> str:
+    """What ran it, at which commit, when, from where: one line for a run, a summary for runs merged."""
+    if len(run.paths) == 1:
+        return f"{run.machine}; commit {run.commit}; {run.datetime}; from `{run.paths[0]}`."
+    commits = run.commit.split("; ")
+    shown = ", ".join(commit[:10] for commit in commits[:3]) + (", ..." if len(commits) > 3 else "")
+    return (f"{len(run.paths)} histories merged, later ones winning where they share a point (sources at the end): "
+            f"{run.machine}; {len(commits)} commit{'s' * (len(commits) > 1)} ({shown}); {run.datetime}.")
 
 
 def main(argv: list[str] | None = None) -> int:

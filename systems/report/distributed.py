@@ -11,7 +11,7 @@ from systems.accounting import BucketedAllReduce, count_parameters, fit_bucketed
 from systems.bench.schema import DDP_VARIANTS, FSDP_VARIANTS, Phases, Point
 from systems.model import get_config
 from systems.parallel.spec import Variant
-from systems.report.markdown import Table, batch_sizes, fields_of, ms, number, order, plain, sorted_by
+from systems.report.markdown import Table, batch_sizes, fields_of, mb, ms, number, order, sorted_by
 from systems.report.runs import Result, Run
 
 PHASES = ("step", "forward", "backward", "comm_wait", "optimizer")
@@ -149,9 +149,8 @@ def fsdp_tables(run: Run) -> list[Table]:
         peak, predicted = m.peak_mb(), m.predicted_peak_mb
         table.rows.append(point_cells(r.point, keys) + phase_cells(m.phases, (*PHASES, "gather_wait"))
                           + [number(vs(run, r, Variant.SINGLE, 1)), number(m.throughput.tflops)]
-                          + [number(peak), number(predicted),
-                             "" if peak is None or not predicted else f"{peak / predicted:.2f}",
-                             number(m.peak_gathered_mb)])
+                          + [mb(peak), mb(predicted), "" if peak is None or not predicted else f"{peak / predicted:.2f}",
+                             mb(m.peak_gathered_mb)])
     table.rows += [point_cells(point, keys) + ["OOM"] + [""] * 11 for point in oom]
     return [table]
 
@@ -224,8 +223,8 @@ def optimizer_tables(run: Run) -> list[Table]:
     for r in results:
         m = r.measured
         table.rows.append([number(k) for k in fields_of(r.point, keys)]
-                          + [number(max(m.state_mb)), number(m.unsharded_state_mb), number(m.state_fraction),
+                          + [mb(max(m.state_mb)), mb(m.unsharded_state_mb), number(m.state_fraction),
                              number(m.ideal_fraction)]
-                          + [number((m.memory_mb or {}).get(moment)) for moment in moments]
+                          + [mb((m.memory_mb or {}).get(moment)) for moment in moments]
                           + [ms(m.optimizer_s), ms(m.step_s)])
     return [table]

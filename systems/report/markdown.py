@@ -66,6 +66,11 @@ def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.0f}"
 
 
+def mb(mebibytes: float | None) -> str:
+    """A figure already in MiB, as the tables show memory: whole MiB with thousands separated."""
+    return "" if mebibytes is None else f"{mebibytes:,.0f}"
+
+
 def order(value) -> tuple:
     """Sorts numbers before text, None last, within a column."""
     value = plain(value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +12,8 @@ from systems.parallel.spec import Variant
 from systems.report.markdown import order
 from systems.report.runs import Result, Run
 
-Series = dict[str, list[tuple[float, float]]]  # label -> (x, y) points
+Series = dict[str, list[tuple[float, float, str | None]]]  # label -> (x, y, the point's name) points
+MAX_TICKS = 8  # x ticks a panel labels before they would overlap
 Figure = Callable[[Result], float | None]
 
 
@@ -24,10 +26,10 @@ def build_plots(run: Run, out: Path) -> list[Path]:
     figures = []
     model = run.select("model")
     for phase in MODEL_PHASES:
-        figures.append((f"model_{phase}", f"Model, {phase}", "context length", _panels(
+        figures.append((f"model_{phase}", f"Model, {phase}", "context length (tokens)", _panels(
             [r for r in model if r.point.phase == phase], lambda r: r.point.context,
             lambda r: f"{r.point.preset} {r.point.precision.name} {r.point.compile}",
-            [("ms", lambda r: r.mean * 1e3), ("TFLOP/s", _tflops)])))
+            [("time (ms)", lambda r: r.mean * 1e3), ("throughput (TFLOP/s)", _tflops)])))
     attention = run.select("attention", sweep="handout") + run.select("attention", sweep="flash")
     for sweep, pass_, precision in sorted({(r.point.sweep, r.point.pass_, r.point.precision.name)
                                            for r in attention}):
@@ -36,25 +38,28 @@ def build_plots(run: Run, out: Path) -> list[Path]:
         points = [r for r in attention if (r.point.sweep, r.point.pass_, r.point.precision.name)
                   == (sweep, pass_, precision)]
         dims = sorted({r.point.d for r in points}, key=order)
-        panels = [panel for ylabel, y in (("ms", lambda r: r.mean * 1e3), ("TFLOP/s", _tflops)) for d in dims
+        panels = [panel for ylabel, y in (("time (ms)", lambda r: r.mean * 1e3), ("throughput (TFLOP/s)", _tflops))
+                  for d in dims
                   for panel in _panels([r for r in points if r.point.d == d], lambda r: r.point.seq,
                                        lambda r: r.point.impl, [(f"{ylabel}, d={d}", y)])]
         figures.append((f"attention_{sweep}_{pass_}_{precision}", f"Attention, {sweep} sweep, {pass_}, {precision}",
-                        "sequence length", panels, len(dims)))
-    figures.append(("allreduce_bandwidth", "All-reduce", "MiB", _panels(
+                        "sequence length (tokens)", panels, len(dims)))
+    figures.append(("allreduce_bandwidth", "All-reduce", "size (MiB)", _panels(
         run.select("allreduce"), lambda r: r.point.size_mb,
         lambda r: f"{r.point.backend}, {r.point.world_size} ranks",
         [("bus bandwidth (GB/s)", lambda r: r.measured.busbw_gbps),
-         ("ms", lambda r: None if r.seconds is None else r.seconds * 1e3)])))
-    figures.append(("ddp_buckets", "DDPBucketed step against bucket size", "bucket MiB", _panels(
+         ("time per all-reduce (ms)", lambda r: None if r.seconds is None else r.seconds * 1e3)])))
+    figures.append(("ddp_buckets", "DDPBucketed step against bucket size", "bucket size (MiB)", _panels(
         run.select("ddp", variant=Variant.BUCKETED), lambda r: r.point.bucket_size_mb,
         lambda r: f"{r.point.precision.name} context {r.point.context}, {r.point.world_size} ranks",
         [("step (ms)", lambda r: r.seconds * 1e3), ("comm wait (ms)", lambda r: r.measured.phases.comm_wait_s * 1e3)])))
+    # Schemes are not a sequence: a point each, named, no line between them.
     figures.append(("checkpointing", "Activation checkpointing: step time against activation memory, a point per "
-                    "scheme", "activation MiB", _panels(
+                    "scheme", "activation memory (MiB)", _panels(
         run.select("checkpoint"), lambda r: r.measured.activation_mb,
-        lambda r: f"{r.point.preset} {r.point.batch} {r.point.context} {r.point.precision.name} {r.point.attention}",
-        [("step (ms)", lambda r: r.mean * 1e3)])))
+        lambda r: (f"{r.point.preset}, batch {r.point.batch}, context {r.point.context}, {r.point.precision.name}, "
+                   f"{r.point.attention}"),
+        [("step (ms)", lambda r: r.mean * 1e3)], name=lambda r: str(r.point.scheme)), None))
     return [path for figure in figures if (path := _plot(plt, out, *figure)) is not None]
 
 
@@ -62,16 +67,17 @@ def _tflops(result: Result) -> float | None:
     return None if result.measured.throughput is None else result.measured.throughput.tflops
 
 
-def _panels(results: list[Result], x: Figure, label: Callable[[Result], str],
-            panels: list[tuple[str, Figure]]) -> list[tuple[str, Series]]:
-    """For each (y label, y of a result): the points of each label's line; lines of one point are dropped."""
+def _panels(results: list[Result], x: Figure, label: Callable[[Result], str], panels: list[tuple[str, Figure]],
+            name: Callable[[Result], str] | None = None) -> list[tuple[str, Series]]:
+    """For each (y label, y of a result): the points of each label's line, each (x, y, its name or None), x sorted;
+    lines of one point are dropped. Named points are drawn apart, each with its name, not joined."""
     out = []
     for ylabel, y in panels:
         series = defaultdict(list)
         for r in results:
             if x(r) is not None and y(r) is not None:
-                series[label(r)].append((x(r), y(r)))
-        out.append((ylabel, {name: sorted(points) for name, points in sorted(series.items()) if len(points) > 1}))
+                series[label(r)].append((x(r), y(r), name(r) if name else None))
+        out.append((ylabel, {line: sorted(points) for line, points in sorted(series.items()) if len(points) > 1}))
     return out
 
 
@@ -82,7 +88,7 @@ def _plot(plt, out: Path, name: str, title: str, xlabel: str, panels: list[tuple
     panels = [(ylabel, series) for ylabel, series in panels if series]
     if not panels:
         return None
-    from matplotlib.ticker import FuncFormatter
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
     columns = min(columns or len(panels), len(panels))
     rows = -(-len(panels) // columns)
@@ -91,20 +97,32 @@ def _plot(plt, out: Path, name: str, title: str, xlabel: str, panels: list[tuple
     color = {label: f"C{i % 10}" for i, label in enumerate(labels)}
     for ax, (ylabel, series) in zip(axes.flat, panels):
         for label, points in series.items():
-            ax.plot(*zip(*points), marker="o", label=label, color=color[label])
-        xs = sorted({x for points in series.values() for x, _ in points})
-        ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel=ylabel, xticks=xs)
+            xs, ys, names = zip(*points)
+            named = any(names)
+            ax.plot(xs, ys, marker="o", linestyle="none" if named else "-", label=label, color=color[label])
+            for x, y, text in points if named else ():
+                ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize="small")
+        xs = sorted({x for points in series.values() for x, *_ in points})
+        ys = [y for points in series.values() for _, y, _ in points]
+        # Log scales where the values span a decade or more, so that sizes doubling read as steps; else linear,
+        # whose ticks a narrow range still gets.
+        ax.set(xscale="log" if xs[-1] >= 10 * xs[0] else "linear",
+               yscale="log" if max(ys) >= 10 * min(ys) else "linear", xlabel=xlabel, ylabel=ylabel)
+        if len(xs) <= MAX_TICKS:  # every measured size a tick; more would overlap, so then the scale's own
+            ax.set_xticks(xs)
+        elif ax.get_xscale() == "log":
+            ax.xaxis.set_major_locator(LogLocator(numticks=MAX_TICKS))
         for axis in (ax.xaxis, ax.yaxis):
             axis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
             axis.set_minor_formatter(plt.NullFormatter())
-        ax.tick_params(axis="x", labelrotation=45 if len(xs) > 6 else 0)
+        ax.tick_params(axis="x", labelrotation=30)
         ax.grid(True, which="both", alpha=0.3)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     handles = {label: line for ax in axes.flat for line, label in zip(*ax.get_legend_handles_labels())}
     axes[0][0].legend([handles[label] for label in labels], labels, fontsize="small")
-    fig.suptitle(title)
-    fig.tight_layout()
+    fig.suptitle("\n".join(textwrap.wrap(title, 25 * columns + 40)))
+    fig.tight_layout()  # after the title, which it makes room for
     path = out / f"{name}.png"
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -51,7 +51,15 @@ class Run:
 
     @property
     def id(self) -> str:
-        return "+".join(path.stem.split("_")[0] for path in self.paths)
+        """The run's number, or the merged runs' as ranges: 0016-0020+0023-0029+0032."""
+        numbers = [path.stem.split("_")[0] for path in self.paths]
+        spans = []
+        for number in numbers:
+            if spans and number.isdigit() and spans[-1][-1].isdigit() and int(number) == int(spans[-1][-1]) + 1:
+                spans[-1].append(number)
+            else:
+                spans.append([number])
+        return "+".join(span[0] if len(span) == 1 else f"{span[0]}-{span[-1]}" for span in spans)
 
     def select(self, kind: str, **fields) -> list[Result]:
         """The results of a point kind whose points have these field values."""

@@ -11,8 +11,8 @@ from systems.bench.schema import ATTENTION_PASSES, MODEL_PHASES, CheckpointPoint
 from systems.model import get_config
 from systems.report.breakdown import breakdown_tables
 from systems.report.distributed import allreduce_tables, ddp_tables, fsdp_tables, fullstep_tables, optimizer_tables
-from systems.report.markdown import (Table, batch_sizes, cell, fields_of, mib, ms, ms_pm, number, order, pivot,
-                                     sorted_by)
+from systems.report.markdown import (Table, batch_sizes, cell, fields_of, mb, mib, ms, ms_pm, number, order,
+                                     pivot, sorted_by)
 from systems.report.runs import Result, Run
 
 REGRESSION = 1.10  # a time this much above the baseline's is flagged
@@ -90,7 +90,7 @@ def attention_tables(run: Run) -> list[Table]:
         for key, row in grid.items():
             table.rows.append([number(k) for k in key] + [
                 cell(row.get("forward"), ms_pm), cell(row.get("backward"), ms_pm),
-                cell(row.get("backward"), lambda r: number(r.measured.memory_before_backward_mb))])
+                cell(row.get("backward"), lambda r: mb(r.measured.memory_before_backward_mb))])
         tables.append(table)
 
     keys = ["precision", "d", "seq", "pass_"]
@@ -151,8 +151,8 @@ def checkpoint_tables(run: Run) -> list[Table]:
                 table.rows.append([number(k) for k in key] + [name, "", "OOM", ""] + _predicted_step(entry))
                 continue
             m = entry.measured
-            memory = [_mib(value) for value in (m.peak_memory_mb, m.predicted_peak_mb, m.activation_mb,
-                                                m.predicted_activation_mb)]
+            memory = [mb(value) for value in (m.peak_memory_mb, m.predicted_peak_mb, m.activation_mb,
+                                              m.predicted_activation_mb)]
             table.rows.append([number(k) for k in key] + [name, "x".join(map(str, m.levels)), ms(entry.mean),
                                                           _ratio(entry, none, lambda r: r.mean)]
                               + memory + [_ratio(entry, none, lambda r: r.measured.activation_mb),
@@ -170,7 +170,7 @@ def checkpoint_tables(run: Run) -> list[Table]:
         search.rows = [[number(k) for k in fields_of(r.point, ["preset", "batch", "precision", "attention", "scheme"])]
                        + [number(k) for k in (r.measured.largest_context, r.measured.first_oom_context,
                                               r.measured.predicted_largest_context)]
-                       + [ms(r.mean), _mib(r.measured.at_longest.peak_memory_mb)] for r in searches]
+                       + [ms(r.mean), mb(r.measured.at_longest.peak_memory_mb)] for r in searches]
         tables.append(search)
     return tables
 
@@ -179,10 +179,6 @@ def _scheme_order(name: str) -> tuple:
     """none first, then one level by segment size, then two levels, nested last."""
     levels = [int(k) for k in name.removeprefix("every").split("x")] if name not in ("none", "nested") else []
     return (name != "none", name == "nested", len(levels), levels)
-
-
-def _mib(value: float | None) -> str:
-    return "" if value is None else f"{value:,.0f}"
 
 
 def _ratio(result: Result, baseline, figure) -> str:
