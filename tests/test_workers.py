@@ -3,14 +3,13 @@ summary, benchmarks refused without GPUs, and on a GPU host items holding their 
 benchmarks saved as one history. The GPU runs are inner pytest runs over the GPUs this test holds."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 from pytest_benchmark.stats import Metadata
 
-from systems.bench.leases import available_cores, thread_share
+from systems.bench.leases import available_cores, thread_share, visible_gpus, worker_gpus
 from systems.bench.workers import _metadata
 
 HARDWARE = """
@@ -159,7 +158,7 @@ def test_nccl_pair():
 def test_xdist_workers_see_every_gpu_their_own_first_and_run_multi_gpu_tests(inner_pytest):
     """`pytest -n 2` over two GPUs: each worker's cuda:0 is its own GPU, each sees both, and a two-rank NCCL test
     runs on the pair it holds. Print the GPUs with -rP."""
-    visible = os.environ["CUDA_VISIBLE_DEVICES"].split(",")  # the two this test holds, which the inner run sees
+    visible = visible_gpus()  # what the inner run sees: the GPUs this test holds under -n, else the host's
     inner_pytest.makepyfile(test_gpus=WORKER_GPUS.format(folder=str(inner_pytest.path)))
     ran = inner_pytest.runpytest_subprocess("test_gpus.py", "-n", "2", "-p", "no:cacheprovider")
     ran.assert_outcomes(passed=9)
@@ -167,6 +166,6 @@ def test_xdist_workers_see_every_gpu_their_own_first_and_run_multi_gpu_tests(inn
     assert records.keys() == {"gw0", "gw1"}
     for worker, record in records.items():
         print(f"{worker}: {record}")
-        home = visible[int(worker.removeprefix("gw"))]
-        assert record["visible"].split(",")[0] == home and record["count"] == 2
+        home = worker_gpus(int(worker.removeprefix("gw")), 2, visible)[0]
+        assert record["visible"].split(",")[0] == home and record["count"] == len(visible)
     assert records["gw0"]["uuid"] != records["gw1"]["uuid"]

@@ -23,7 +23,7 @@ from systems.bench.leases import GpuLocks, available_cores, lease_size, visible_
 from systems.bench.oom import OUT_OF_MEMORY, OutOfMemoryGuard  # noqa: E402
 from systems.bench.schema import SCHEMA  # noqa: E402
 from systems.bench.timing import device_info  # noqa: E402
-from systems.bench.workers import Controller, Worker  # noqa: E402
+from systems.bench.workers import Controller, Worker, benchmarks_enabled  # noqa: E402
 
 HARDWARE_MARKERS = ("gpu", "multigpu")
 NEEDS_GPUS = ("systems-lab", "needs GPUs")  # a user property of an item marked gpu or multigpu
@@ -40,6 +40,8 @@ def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "slow: takes minutes; deselect with -m 'not slow'")
     options.configure_grid(config)
     gpus = torch.cuda.device_count()
+    if gpus and benchmarks_enabled(config):  # benchmarks under -n run on GPUs: pytest-benchmark's word is moot
+        config.addinivalue_line("filterwarnings", "ignore:Benchmarks are automatically disabled because xdist")
     if hasattr(config, "workerinput"):
         torch.set_num_threads(available_cores())  # the share share_host_with_other_workers gave this worker
         worker = Worker(config, gpus)
@@ -129,6 +131,12 @@ def skip_on_oom(request) -> OutOfMemoryGuard:
 
 def pytest_benchmark_update_machine_info(config, machine_info) -> None:
     machine_info["systems_lab"] = device_info()
+
+
+def pytest_benchmark_update_commit_info(config, commit_info) -> None:
+    """A checkout copied without its history (a GPU job's working tree) names its commit in SYSTEMS_LAB_COMMIT."""
+    if os.environ.get("SYSTEMS_LAB_COMMIT"):
+        commit_info.update(id=os.environ["SYSTEMS_LAB_COMMIT"], dirty=False)
 
 
 def pytest_benchmark_update_json(config, benchmarks, output_json) -> None:
