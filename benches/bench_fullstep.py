@@ -4,12 +4,13 @@ leaderboard times it: issue 16's 8.1B model at context 32768 on two GPUs.
 The issue's point on 2 x H200 (one sequence per GPU, batch 2 in all):
 
     pytest benches/bench_fullstep.py --fullstep-preset leaderboard-2026 --contexts 32768 --batch-size 1 \\
-        --world-sizes 2 --precisions bf16 --checkpoint-blocks 1 --loss-chunk 4096 --attention sdpa
+        --world-sizes 2 --precisions bf16 --checkpoint every1 --loss-chunk 4096 --attention sdpa
 
 The CPU default is the same shape made tiny (`leaderboard-2026-tiny`, context 128) on 2 gloo ranks, so CI runs
-the code path in seconds. Levers: --fullstep-variant (default our FSDP, whose optimizer is systems AdamW,
-fused on CUDA), --checkpoint (none, everyK, KxK, nested), --loss-chunk (tokens at a time, or full), --attention
-(naive, sdpa, flash), and our FSDP's --fsdp-gather and --fsdp-prefetch.
+the code path in seconds. Levers: --fullstep-variants (default our FSDP, whose optimizer is systems AdamW, fused
+on CUDA; `fsdp,fsdp2` times torch's FSDP2 beside it in turns), --checkpoint (none, everyK, KxK, nested),
+--loss-chunk (tokens at a time, or full), --attention (naive, sdpa, flash), and our FSDP's --fsdp-gather and
+--fsdp-prefetch.
 
 Each point trains through systems.parallel.train.train in spawned ranks (systems.bench.training):
 pytest-benchmark's rounds are its timed steps, as long as their slowest rank. On a GPU each rank then times
@@ -51,13 +52,15 @@ DO_BENCH_WARMUP, DO_BENCH_REPEATS = 1, 3
 
 
 def fullstep_grid(grid) -> list[FullStepPoint]:
-    variant = grid.fullstep_variant
-    ours = itertools.product(grid.fsdp_gather, grid.fsdp_prefetch) if variant == Variant.FSDP else [(None, None)]
-    world_sizes = [1] if variant == Variant.SINGLE else grid.world_sizes
-    return [FullStepPoint(variant, grid.fullstep_preset, grid.edition, precision, grid.batch_size, context,
-                          world_size, grid.attention, checkpoint, grid.loss_chunk, gather, prefetch)
-            for precision in grid.precisions for context in grid.contexts for world_size in world_sizes
-            for checkpoint in grid.checkpoint for gather, prefetch in ours]
+    """Per shape and lever, every variant in turn (ours beside torch's FSDP2, say), our FSDP at each of its levers."""
+    points = []
+    for precision, context, checkpoint, world_size, variant in itertools.product(
+            grid.precisions, grid.contexts, grid.checkpoint, grid.world_sizes, grid.fullstep_variants):
+        ours = itertools.product(grid.fsdp_gather, grid.fsdp_prefetch) if variant == Variant.FSDP else [(None, None)]
+        points += [FullStepPoint(variant, grid.fullstep_preset, grid.edition, precision, grid.batch_size, context,
+                                 1 if variant == Variant.SINGLE else world_size, grid.attention, checkpoint,
+                                 grid.loss_chunk, gather, prefetch) for gather, prefetch in ours]
+    return list(dict.fromkeys(points))  # one process once, whatever the world sizes
 
 
 def pytest_generate_tests(metafunc):

@@ -40,7 +40,7 @@ def test_grid(request):
     ("--allreduce-backends=mpi", "--allreduce-backends: unknown backend 'mpi'; choose from gloo, nccl"),
     ("--fsdp-gather=blocks", f"--fsdp-gather: unknown gather 'blocks'; choose from {', '.join(Gather)}"),
     ("--fsdp-prefetch=0", "--fsdp-prefetch: prefetch must be at least 1, got 0"),
-    ("--fullstep-variant=ddp", "--fullstep-variant: unknown variant 'ddp'; choose from " + ", ".join(Variant)),
+    ("--fullstep-variants=fsdp,ddp", "--fullstep-variants: unknown variant 'ddp'; choose from " + ", ".join(Variant)),
     ("--checkpoint=every0", "--checkpoint: checkpointing 'every0': segment sizes must be positive"),
     ("--checkpoint=4", "--checkpoint: unknown checkpointing '4'"),
     ("--loss-chunk=0", "--loss-chunk: 0 is not positive"),
@@ -73,7 +73,7 @@ def test_options_become_their_levers_in_one_typed_grid(inner_pytest):
     inner_pytest.makepyfile(test_grid=GRID)
     ran = inner_pytest.runpytest_subprocess("--presets=all", "--compile-contexts=", "--precisions=bf16-weights",
                                             "--checkpoint=none,every4,6x1,nested", "--fsdp-gather=layer,block",
-                                            "--fullstep-variant=fsdp2", "--loss-chunk=full",
+                                            "--fullstep-variants=fsdp,fsdp2", "--loss-chunk=full",
                                             "--attn-impls=" + ",".join(BENCHED_BACKENDS), "--warmup-steps=0",
                                             "--bucket-sizes-mb=0.5,100", "-p", "no:cacheprovider")
     assert ran.ret == pytest.ExitCode.OK, ran.stderr.str()
@@ -82,7 +82,7 @@ def test_options_become_their_levers_in_one_typed_grid(inner_pytest):
     assert grid["precisions"] == repr([PRECISIONS["bf16-weights"]])
     assert grid["checkpoint"] == repr([Checkpointing.parse(text) for text in ("none", "every4", "6x1", "nested")])
     assert grid["fsdp_gather"] == repr([Gather.LAYER, Gather.BLOCK])
-    assert grid["fullstep_variant"] == repr(Variant.FSDP2) and grid["loss_chunk"] == "None"
+    assert grid["fullstep_variants"] == repr([Variant.FSDP, Variant.FSDP2]) and grid["loss_chunk"] == "None"
     assert grid["compile_contexts"] == "[]" and grid["bucket_sizes_mb"] == "[0.5, 100.0]"
 
 

@@ -171,8 +171,8 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
         Option("--fullstep-preset", _name, "leaderboard-2026-tiny",
                "bench_fullstep's model; the issue's: leaderboard-2026 (with --contexts 32768 --batch-size 1 "
                "--precisions bf16 --loss-chunk 4096)"),
-        Option("--fullstep-variant", Variant, "fsdp", "how bench_fullstep's ranks share the step: "
-               + ", ".join(Variant)),
+        Option("--fullstep-variants", Variant, "fsdp", "how bench_fullstep's ranks share the step, e.g. fsdp,fsdp2 "
+               "(ours and torch's FSDP2 in one run); from " + ", ".join(Variant), many=True),
         Option("--loss-chunk", _loss_chunk, "48", "tokens per chunk of bench_fullstep's cross-entropy, or full"),
     ]),
 }
