@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from spawned_ranks import results_by_rank
-from systems.accounting.ffn_layouts import SwiGLULayer, dp_step, fsdp_step, fsdp_tp_step, tp_step
+from systems.accounting.ffn_layouts import SwiGLULayer
+from systems.bench.ffn import handout_cost
 from systems.parallel import swiglu
 from systems.parallel.issued import IssuedCollectives
 from systems.parallel.ranks import rank_device
@@ -85,18 +86,6 @@ def expected_part(placement: Placement, name: str, full: torch.Tensor, rank: int
     return full
 
 
-def accounting(placement: Placement):
-    layer = SwiGLULayer(BATCH, D_MODEL, D_FF, bytes_per_element=8)
-    match placement.layout:
-        case FFNLayout.DP:
-            return dp_step(layer, placement.data)
-        case FFNLayout.FSDP:
-            return fsdp_step(layer, placement.data)
-        case FFNLayout.FSDP_TP:
-            return fsdp_tp_step(layer, placement.data, placement.tensor)
-    return tp_step(layer, placement.tensor)
-
-
 def gloo_bytes(placement: Placement, cost) -> float:
     """The accounting's bytes, with our all-reduce as gloo runs it: an all-gather, (n - 1) S; and DDP's flags
     (which weights had a gradient: an int32 each, all-reduced after them)."""
@@ -128,6 +117,7 @@ def run_layouts() -> list[dict]:
             with IssuedCollectives() as backward:
                 y.backward(dy[laid.rows])
                 laid.finish()
+        step = handout_cost(placement, SwiGLULayer(BATCH, D_MODEL, D_FF, bytes_per_element=8))
         errors = {"y": (y - exact["y"][laid.rows]).abs().max().item() / tolerance["y"],
                   "dx": (x_rows.grad - exact["dx"][laid.rows]).abs().max().item() / tolerance["dx"]}
         for name, grad in local_gradients(placement, laid.module).items():
@@ -135,8 +125,7 @@ def run_layouts() -> list[dict]:
                 / tolerance[name]
         results.append({"placement": str(placement), "without_g": without_g, "errors": errors,
                         "sent": (sum(forward.bytes_sent().values()), sum(backward.bytes_sent().values())),
-                        "expected": tuple(gloo_bytes(placement, cost) for cost in
-                                          (accounting(placement).forward, accounting(placement).backward))})
+                        "expected": tuple(gloo_bytes(placement, cost) for cost in (step.forward, step.backward))})
     return results
 
 
