@@ -32,8 +32,6 @@ recomputation). nsys splits the step by the same ranges: `forward`, `backward`, 
 from __future__ import annotations
 
 import itertools
-import os
-import pathlib
 
 import torch
 import torch.distributed as dist
@@ -41,7 +39,7 @@ import torch.distributed as dist
 from systems.accounting import flops, recomputed_flops
 from systems.bench.options import grid_of
 from systems.bench.schema import FullStepMeasured, FullStepPoint
-from systems.bench.timing import record_measured, record_point
+from systems.bench.timing import record_measured, record_point, seconds_since_process_start
 from systems.bench.training import (breakdowns, gathered_mb, on_rank_gpus, predicted_peak_mb, spec_for,
                                     step_breakdown, train_in_ranks, training_measured)
 from systems.parallel.spec import TrainSpec, Variant
@@ -92,16 +90,6 @@ def _agreed_step_ms(step) -> float:
     if dist.is_initialized():
         dist.all_reduce(ms, op=dist.ReduceOp.MAX)
     return ms.item()
-
-
-def seconds_since_process_start() -> float | None:
-    """Wall seconds since this process started (Linux's /proc); None elsewhere."""
-    try:
-        stat = pathlib.Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-        uptime = float(pathlib.Path("/proc/uptime").read_text().split()[0])
-    except OSError:
-        return None
-    return uptime - int(stat[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in clock ticks after boot
 
 
 def spec_of(point: FullStepPoint, grid) -> TrainSpec:

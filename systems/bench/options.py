@@ -21,6 +21,7 @@ from systems.model import DEFAULT_EDITION, EDITIONS, Attention
 from systems.parallel.fsdp import Gather, check_prefetch
 from systems.parallel.ranks import BACKENDS
 from systems.parallel.spec import Variant
+from systems.parallel.swiglu import FFNLayout
 from systems.precision import DTYPES, Precision, get_precision
 
 def _number(kind: type, text: str):
@@ -72,6 +73,10 @@ def _prefetch(text: str) -> int:
 
 def _loss_chunk(text: str) -> int | None:
     return None if text == "full" else _positive(int)(text)
+
+
+def _leaderboard_model(text: str) -> str:
+    return _one_of(("ours", "cs336_basics"), "model")(text)
 
 
 def _checkpointing(text: str) -> Checkpointing:
@@ -173,11 +178,39 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
                "--precisions bf16 --loss-chunk 4096)"),
         Option("--fullstep-variants", Variant, "fsdp", "how bench_fullstep's ranks share the step, e.g. fsdp,fsdp2 "
                "(ours and torch's FSDP2 in one run); from " + ", ".join(Variant), many=True),
-        Option("--loss-chunk", _loss_chunk, "48", "tokens per chunk of bench_fullstep's cross-entropy, or full"),
+        Option("--loss-chunk", _loss_chunk, "48", "tokens per chunk of bench_fullstep's and bench_leaderboard's "
+               "cross-entropy (ours), or full"),
+    ]),
+    "2026 edition benchmarks": ("bench_ffn (section 8's layouts of one SwiGLU layer, measured) and bench_leaderboard "
+                                "(the leaderboard's step, timed as the course times it); defaults fit a laptop CPU", [
+        Option("--ffn-layouts", FFNLayout, ",".join(FFNLayout), "layouts of the layer: " + ", ".join(FFNLayout)
+               + " (fsdp-tp: every grid of a world size with both axes above one)", many=True),
+        Option("--ffn-world-sizes", _positive(int), "1,2,4", "ranks (GPUs under NCCL); single runs on 1", many=True),
+        Option("--ffn-batches", _positive(int), "8", "B: rows of the layer's input, the whole batch", many=True),
+        Option("--ffn-d-models", _positive(int), "16", "D: the layer's width", many=True),
+        Option("--ffn-d-ffs", _positive(int), "32", "D_FF: the layer's hidden width", many=True),
+        Option("--ffn-precisions", _attention_precision, "fp32", "fp32/bf16/fp16: weights, activations and "
+               "collectives (the handout's b: 2 bytes)", many=True),
+        Option("--ffn-bandwidth-mb", _positive(float), "4", "MiB of the collectives that calibrate W (the issue's: "
+               "100 or more on GPUs)", many=True),
+        Option("--leaderboard-models", _leaderboard_model, "ours,cs336_basics", "ours (our FSDP, with --attention, "
+               "--loss-chunk, --leaderboard-checkpoint) and/or cs336_basics (the course's reference model, skipped "
+               "where it is not importable)", many=True),
+        Option("--leaderboard-preset", _name, "leaderboard-2026-tiny", "the model; the handout's: leaderboard-2026"),
+        Option("--leaderboard-context", _positive(int), "64", "sequence length; the handout's: 32768"),
+        Option("--leaderboard-batch", _positive(int), "2", "sequences in the whole batch (the handout's 2), split "
+               "over the ranks"),
+        Option("--leaderboard-world-size", _positive(int), "2", "ranks (GPUs under NCCL); the handout's: 2"),
+        Option("--leaderboard-precision", get_precision, "bf16", "the handout's: bf16"),
+        Option("--leaderboard-checkpoint", _checkpointing, "none", "checkpointing schemes of our model", many=True),
+        Option("--leaderboard-rep-ms", _positive(float), None, "do_bench's rep budget, ms; default the handout's "
+               "30000 on a GPU, 20 on a CPU"),
+        Option("--leaderboard-warmup-ms", _positive(float), None, "do_bench's warmup budget, ms; default the "
+               "handout's 10000 on a GPU, 10 on a CPU"),
     ]),
 }
 OPTIONS = {option.dest: option for _, options in GROUPS.values() for option in options}
-PRESET_OPTIONS = ("presets", "ddp_preset", "fsdp_preset", "fullstep_preset")
+PRESET_OPTIONS = ("presets", "ddp_preset", "fsdp_preset", "fullstep_preset", "leaderboard_preset")
 
 
 @dataclass(frozen=True)

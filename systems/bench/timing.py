@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import os
+import pathlib
 import platform
 import subprocess
 from dataclasses import dataclass
@@ -137,3 +139,13 @@ def record_timings(benchmark, rank_seconds: list[list[float]]) -> None:
     stats = benchmark._make_stats(1)
     for duration in map(max, zip(*rank_seconds, strict=True)):
         stats.update(duration)
+
+
+def seconds_since_process_start() -> float | None:
+    """Wall seconds since this process started (Linux's /proc); None elsewhere."""
+    try:
+        stat = pathlib.Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(pathlib.Path("/proc/uptime").read_text().split()[0])
+    except OSError:
+        return None
+    return uptime - int(stat[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in clock ticks after boot
