@@ -9,6 +9,7 @@ from pathlib import Path
 
 from systems.bench.schema import MODEL_PHASES
 from systems.parallel.spec import Variant
+from systems.report.course import course_plots
 from systems.report.markdown import order
 from systems.report.runs import Result, Run
 
@@ -60,7 +61,7 @@ def build_plots(run: Run, out: Path) -> list[Path]:
         lambda r: (f"{r.point.preset}, batch {r.point.batch}, context {r.point.context}, {r.point.precision.name}, "
                    f"{r.point.attention}"),
         [("step (ms)", lambda r: r.mean * 1e3)], name=lambda r: str(r.point.scheme)), None))
-    return [path for figure in figures if (path := _plot(plt, out, *figure)) is not None]
+    return [path for figure in figures if (path := _plot(plt, out, *figure)) is not None] + course_plots(run, out)
 
 
 def _tflops(result: Result) -> float | None:

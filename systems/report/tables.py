@@ -10,6 +10,7 @@ from systems.accounting import checkpoint_levels, model_state, peak_memory
 from systems.bench.schema import ATTENTION_PASSES, MODEL_PHASES, CheckpointPoint, ModelPoint
 from systems.model import get_config
 from systems.report.breakdown import breakdown_tables
+from systems.report.course import course_tables
 from systems.report.distributed import allreduce_tables, ddp_tables, fsdp_tables, fullstep_tables, optimizer_tables
 from systems.report.markdown import (Table, batch_sizes, cell, fields_of, mb, mib, ms, ms_pm, number, order,
                                      pivot, sorted_by)
@@ -21,7 +22,7 @@ REGRESSION = 1.10  # a time this much above the baseline's is flagged
 def build_tables(run: Run) -> list[Table]:
     return (model_tables(run) + warmup_tables(run) + attention_tables(run) + allreduce_tables(run)
             + ddp_tables(run) + fsdp_tables(run) + fullstep_tables(run) + breakdown_tables(run) + optimizer_tables(run)
-            + checkpoint_tables(run) + other_tables(run))
+            + checkpoint_tables(run) + course_tables(run) + other_tables(run))
 
 
 def model_tables(run: Run) -> list[Table]:
