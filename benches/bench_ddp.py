@@ -34,8 +34,8 @@ def step_grid(grid) -> list[DDPPoint]:
     for precision in grid.precisions:
         for context in grid.contexts:
             def point(variant: Variant, bucket_size_mb: float | None, world_size: int) -> DDPPoint:
-                return DDPPoint(variant, bucket_size_mb, grid.ddp_preset, grid.edition, precision, grid.batch_size,
-                                context, world_size)
+                return DDPPoint(grid.ddp_preset, grid.edition, precision, grid.batch_size, context, world_size,
+                                variant=variant, bucket_size_mb=bucket_size_mb)
 
             points.append(point(Variant.SINGLE, None, 1))
             for world_size in (n for n in grid.world_sizes if n > 1):
@@ -47,8 +47,8 @@ def step_grid(grid) -> list[DDPPoint]:
 
 
 def optimizer_grid(grid) -> list[OptimizerPoint]:
-    points = [OptimizerPoint(optimizer, grid.ddp_preset, grid.edition, grid.precisions[0], grid.batch_size,
-                             grid.contexts[0], world_size)
+    points = [OptimizerPoint(grid.ddp_preset, grid.edition, grid.precisions[0], grid.batch_size, grid.contexts[0],
+                             world_size, optimizer=optimizer)
               for world_size in grid.world_sizes if world_size > 1 for optimizer in Optimizer]
     return points_or_usage_error(points, "test_optimizer_memory", "--world-sizes", "sharding needs 2 ranks or more")
 

@@ -37,8 +37,8 @@ def fsdp_grid(grid) -> list[FSDPPoint]:
     for precision in grid.precisions:
         for context in grid.contexts:
             def point(variant: Variant, world_size: int, gather=None, prefetch=None) -> FSDPPoint:
-                return FSDPPoint(variant, grid.fsdp_preset, grid.edition, precision, grid.batch_size, context,
-                                 world_size, gather, prefetch)
+                return FSDPPoint(grid.fsdp_preset, grid.edition, precision, grid.batch_size, context, world_size,
+                                 variant=variant, gather=gather, prefetch=prefetch)
 
             multi_rank = [n for n in grid.world_sizes if n > 1]
             points += [point(Variant.SINGLE, 1)] if multi_rank else []

@@ -55,9 +55,10 @@ def fullstep_grid(grid) -> list[FullStepPoint]:
     for precision, context, checkpoint, world_size, variant in itertools.product(
             grid.precisions, grid.contexts, grid.checkpoint, grid.world_sizes, grid.fullstep_variants):
         ours = itertools.product(grid.fsdp_gather, grid.fsdp_prefetch) if variant == Variant.FSDP else [(None, None)]
-        points += [FullStepPoint(variant, grid.fullstep_preset, grid.edition, precision, grid.batch_size, context,
-                                 1 if variant == Variant.SINGLE else world_size, grid.attention, checkpoint,
-                                 grid.loss_chunk, gather, prefetch) for gather, prefetch in ours]
+        points += [FullStepPoint(grid.fullstep_preset, grid.edition, precision, grid.batch_size, context,
+                                 1 if variant == Variant.SINGLE else world_size, variant=variant,
+                                 attention=grid.attention, checkpoint=checkpoint, loss_chunk=grid.loss_chunk,
+                                 gather=gather, prefetch=prefetch) for gather, prefetch in ours]
     return list(dict.fromkeys(points))  # one process once, whatever the world sizes
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -20,11 +19,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from systems import attention
+from systems.choice import Choice
 from systems.device import nvtx_range
 from systems.loss import LMHead, check_chunk
 
 
-class Attention(enum.StrEnum):
+class Attention(Choice):
     """The systems.attention.BACKENDS a config may name: causal self-attention whose saved tensors
     systems.accounting models. Written out (naive), torch's SDPA, or our FlashAttention-2 (flash)."""
 
@@ -33,8 +33,8 @@ class Attention(enum.StrEnum):
     FLASH = "flash"
 
     @classmethod
-    def _missing_(cls, value):
-        raise ValueError(f"unknown attention backend {value!r}; choose from {', '.join(cls)}")
+    def noun(cls) -> str:
+        return "attention backend"
 
 
 _SIZE_FIELDS = ("d_model", "d_ff", "num_layers", "num_heads", "vocab_size", "context_length")

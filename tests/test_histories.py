@@ -41,9 +41,9 @@ def test_a_point_kind_is_registered_once():
 @pytest.mark.parametrize("point", [
     MODEL, ModelPoint("2.7b", "2026", 2, 1024, PRECISIONS["bf16-weights"], Attention.FLASH, "regional", "step"),
     AllReducePoint("nccl", 8, 1.0), AllReducePoint("gloo", 2, 0.5),
-    DDPPoint(Variant.INDIVIDUAL, None, "xl", "2025", BF16, 16, 512, 4),
-    FSDPPoint(Variant.FSDP, "xl", "2025", BF16, 16, 512, 2, Gather.BLOCK, 3),
-    FSDPPoint(Variant.FSDP2, "xl", "2025", BF16, 16, 512, 2, None, None),
+    DDPPoint("xl", "2025", BF16, 16, 512, 4, Variant.INDIVIDUAL, None),
+    FSDPPoint("xl", "2025", BF16, 16, 512, 2, Variant.FSDP, Gather.BLOCK, 3),
+    FSDPPoint("xl", "2025", BF16, 16, 512, 2, Variant.FSDP2, None, None),
 ], ids=str)
 def test_a_point_reads_back_whole_and_typed_from_its_record(point):
     back = read_point(json.loads(json.dumps(point.to_record())))
@@ -67,9 +67,9 @@ def test_a_measured_record_is_read_with_its_kinds_types():
     measured = DDPMeasured("nccl", phases(0.1, gather_wait=None), 1e4, rate(50.0, 0.05), {"after_step": 1.0},
                            config("small", 128), 0.0, 0.1)
     record = json.loads(json.dumps(to_record(measured)))
-    assert read_measured(DDPPoint(Variant.BUCKETED, 1.0, "small", "2025", FP32, 4, 128, 2), record) == measured
+    assert read_measured(DDPPoint("small", "2025", FP32, 4, 128, 2, Variant.BUCKETED, 1.0), record) == measured
     with pytest.raises(SchemaError, match="missing field comm_share"):
-        read_measured(DDPPoint(Variant.BUCKETED, 1.0, "small", "2025", FP32, 4, 128, 2),
+        read_measured(DDPPoint("small", "2025", FP32, 4, 128, 2, Variant.BUCKETED, 1.0),
                       {k: v for k, v in record.items() if k != "comm_share"})
 
 
@@ -95,7 +95,7 @@ def test_a_history_of_another_schema_is_a_one_line_error_that_says_so(tmp_path, 
 
 
 def test_a_breakdown_that_is_not_a_step_breakdown_is_a_bad_history(tmp_path, capsys):
-    point = FSDPPoint(Variant.FSDP, "xl", "2025", BF16, 16, 512, 2, Gather.BLOCK, 1)
+    point = FSDPPoint("xl", "2025", BF16, 16, 512, 2, Variant.FSDP, Gather.BLOCK, 1)
     measured = FSDPMeasured("nccl", phases(0.4), 1e4, rate(1.0), None, config("xl", 512), None, None,
                             [step_breakdown(0.5, 0.4)])
     benchmark = entry(point, measured, 0.4)
@@ -190,7 +190,7 @@ def test_a_history_saved_before_the_schema_migrates_into_it_once(tmp_path):
     migrated = old.read_text()
     assert migrate.main([str(old)]) == 0 and old.read_text() == migrated
 
-    fsdp = FSDPPoint(Variant.FSDP, "xl", "2025", BF16, 16, 512, 2, Gather.LAYER, 1)  # what ours ran with then
+    fsdp = FSDPPoint("xl", "2025", BF16, 16, 512, 2, Variant.FSDP, Gather.LAYER, 1)  # what ours ran with then
     new = [entry(MODEL, ModelMeasured(1, 4e3, rate(1.0), None, config("small", 128)), 0.4),
            entry(AllReducePoint("nccl", 2, 1.0), allreduce_measured(2**20, 4e-5, None), 0.4),
            entry(fsdp, FSDPMeasured("nccl", phases(0.4, gather_wait=0.002), 1e4, rate(1.0), {"after_step": 900.0},

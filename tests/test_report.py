@@ -60,12 +60,12 @@ def attention_benchmarks() -> list[dict]:
 
 OOM = [AttentionPoint("handout", "naive", 8, 16384, 16, FP32, False, "forward"),
        AttentionPoint("flash", "naive", 1, 1024, 128, BF16, True, "forward"),
-       DDPPoint(Variant.BUCKETED, 100.0, "small", "2025", FP32, 4, 128, 2)]
+       DDPPoint("small", "2025", FP32, 4, 128, 2, variant=Variant.BUCKETED, bucket_size_mb=100.0)]
 
 
 def ddp(variant: Variant, bucket: float | None, ranks: int, step: float, wait: float, backward: float = 0.06,
         precision=FP32) -> dict:
-    point = DDPPoint(variant, bucket, "small", "2025", precision, 4, 128, ranks)
+    point = DDPPoint("small", "2025", precision, 4, 128, ranks, variant=variant, bucket_size_mb=bucket)
     return entry(point, DDPMeasured("nccl", phases(step, backward=backward, comm_wait=wait), 1e4, rate(50.0), None,
                                     config("small", 128), 0.0, wait / step), 5.0)
 
@@ -78,7 +78,7 @@ def distributed_benchmarks() -> list[dict]:
             ddp(Variant.NAIVE, None, 2, 0.150, 0.040), ddp(Variant.BUCKETED, 1.0, 2, 0.120, 0.012),
             ddp(Variant.BUCKETED, 10.0, 2, 0.115, 0.008)]
     for optimizer, share in ((Optimizer.ADAMW, 1.0), (Optimizer.SHARDED, 0.5)):
-        point = OptimizerPoint(optimizer, "small", "2025", FP32, 4, 128, 2)
+        point = OptimizerPoint("small", "2025", FP32, 4, 128, 2, optimizer=optimizer)
         out.append(entry(point, OptimizerMeasured([981.0 * share] * 2, 981.0, share, 0.5, 0.01, 0.2,
                                                   {"before_step": 3000.0 - 500 * (1 - share)}), 5.0))
     return out
@@ -186,7 +186,7 @@ def fsdp(variant: Variant, step: float, prefetch: int | None = None, gather: Gat
     """A bench_fsdp benchmark of the xl model, as the bench saves it."""
     if variant == Variant.FSDP:
         prefetch, gather = prefetch or 1, gather or Gather.LAYER
-    point = FSDPPoint(variant, "xl", "2025", BF16, 16, context, 1 if variant == Variant.SINGLE else 2, gather,
+    point = FSDPPoint("xl", "2025", BF16, 16, context, 1 if variant == Variant.SINGLE else 2, variant, gather,
                       prefetch)
     measured = dict(backend="nccl", phases=phases(step, forward=step / 3, gather_wait=figures.pop("gather_wait",
                                                                                                  None)),
@@ -204,7 +204,7 @@ def test_fsdp_table_puts_each_variant_beside_one_process_with_its_peak_against_t
                   fsdp(Variant.FSDP, 0.48, gather_wait=0.0123, memory_mb={"before_step": 1200.0, "after_step": 1100.0},
                        predicted_peak_mb=1000.0, peak_gathered_mb=64.0),
                   fsdp(Variant.SINGLE, 0.4), fsdp(Variant.BUCKETED, 0.45)]
-    oom = [FSDPPoint(Variant.FSDP, "xl", "2025", BF16, 16, 1024, 2, Gather.LAYER, 2)]
+    oom = [FSDPPoint("xl", "2025", BF16, 16, 1024, 2, Variant.FSDP, Gather.LAYER, 2)]
     save_run(tmp_path / "storage", 1, benchmarks, oom)
     code, out = report(tmp_path)
     assert code == 0
@@ -226,7 +226,7 @@ def test_fsdp_table_puts_each_variant_beside_one_process_with_its_peak_against_t
 def fullstep(attention: str, step: float, checkpoint: str = "every1", gather: Gather = Gather.BLOCK,
              **figures) -> dict:
     """A bench_fullstep benchmark of the leaderboard's point on 2 ranks, as the bench saves it."""
-    point = FullStepPoint(Variant.FSDP, "leaderboard-2026", "2025", BF16, 1, 32768, 2, attention,
+    point = FullStepPoint("leaderboard-2026", "2025", BF16, 1, 32768, 2, Variant.FSDP, attention,
                           Checkpointing.parse(checkpoint), 4096, gather, 1)
     measured = dict(backend="nccl", phases=phases(step, forward=step / 3), tokens_per_s=1e4, throughput=rate(300.0),
                     memory_mb=None, config=config("leaderboard-2026", 32768), predicted_peak_mb=None,
@@ -240,7 +240,7 @@ def test_fullstep_table_is_compact_and_replaces_the_dump_of_every_figure(tmp_pat
     prediction, cold start), points in order, an out-of-memory point as a row, and no generic table."""
     figures = dict(do_bench_s=6.5, throughput=rate(389.6, 0.3939), tokens_per_s=10123.5,
                    peak_memory_mb_per_rank=[70535.6, 70000.0], predicted_peak_mb=70200.5, cold_start_s=115.45)
-    oom = [FullStepPoint(Variant.FSDP, "leaderboard-2026", "2025", BF16, 1, 65536, 2, "sdpa",
+    oom = [FullStepPoint("leaderboard-2026", "2025", BF16, 1, 65536, 2, Variant.FSDP, "sdpa",
                          Checkpointing.parse("every1"), 4096, Gather.LAYER, 1)]
     save_run(tmp_path / "storage", 1, [fullstep("sdpa", 6.53, **figures),
                                        fullstep("flash", 7.03, "none", Gather.LAYER)], oom)

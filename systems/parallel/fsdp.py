@@ -46,7 +46,6 @@ systems.parallel.collectives.WaitClock) are what the benchmark measures.
 
 from __future__ import annotations
 
-import enum
 import itertools
 import math
 from collections import deque
@@ -56,6 +55,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from systems.choice import Choice
 from systems.parallel.collectives import WaitClock, all_gather, all_reduce_mean, reduce_scatter_mean
 from systems.parallel.mesh import Mesh
 from systems.parallel.meters import GatheredMemory
@@ -64,16 +64,12 @@ SHARDED_CLASS_NAMES = ("Linear", "Embedding")
 REDUCE_SCATTERS_IN_FLIGHT = 2  # a waited reduce-scatter frees its full-size gradients
 
 
-class Gather(enum.StrEnum):
+class Gather(Choice):
     """What one all-gather (and one reduce-scatter) covers: a layer's weight (the handout's), or every layer's of
     a block (FSDP2's unit: one host call per block, see FSDP)."""
 
     LAYER = "layer"
     BLOCK = "block"
-
-    @classmethod
-    def _missing_(cls, value):
-        raise ValueError(f"unknown gather {value!r}; choose from {', '.join(cls)}")
 
 
 DEFAULT_GATHER = Gather.BLOCK

@@ -9,24 +9,18 @@ object with the lever's own parser (`get_precision`, `Checkpointing.parse`, `Att
 from __future__ import annotations
 
 import dataclasses
-import enum
 from dataclasses import dataclass
 
 from systems.accounting.checkpointing import Checkpointing
 from systems.accounting.transformer import checkpoint_levels
+from systems.choice import Choice
 from systems.loss import check_chunk
 from systems.model import DEFAULT_EDITION, Attention, TransformerConfig, get_config
 from systems.parallel.fsdp import DEFAULT_GATHER, DEFAULT_PREFETCH, Gather, check_prefetch
 from systems.precision import PRECISIONS, Precision, get_precision
 
 
-class _Choice(enum.StrEnum):
-    @classmethod
-    def _missing_(cls, value):
-        raise ValueError(f"unknown {cls.__name__.lower()} {value!r}; choose from {', '.join(cls)}")
-
-
-class Variant(_Choice):
+class Variant(Choice):
     """How the ranks share a step: one process alone; our DDP variants (systems.parallel.ddp); torch's
     DistributedDataParallel; our FSDP; torch's FSDP2 (`fully_shard`)."""
 
@@ -51,7 +45,7 @@ class Variant(_Choice):
         return self in (Variant.BUCKETED, Variant.TORCH)
 
 
-class Optimizer(_Choice):
+class Optimizer(Choice):
     """AdamW on every rank; ShardedOptimizer (ZeRO-1) over our AdamW; torch's ZeroRedundancyOptimizer."""
 
     ADAMW = "adamw"

@@ -27,7 +27,6 @@ the layer uses their pieces (f, g, FSDP, DDP, the Mesh) directly.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from systems.choice import Choice
 from systems.model import SwiGLU
 from systems.parallel.ddp import DDPIndividualParameters
 from systems.parallel.fsdp import FSDP
@@ -42,7 +42,7 @@ from systems.parallel.mesh import Layout, Mesh, device_mesh
 from systems.parallel.tensor import copy_to_region, reduce_from_region
 
 
-class FFNLayout(enum.StrEnum):
+class FFNLayout(Choice):
     SINGLE = "single"
     DP = "dp"
     FSDP = "fsdp"
@@ -51,8 +51,8 @@ class FFNLayout(enum.StrEnum):
     FSDP_TP = "fsdp-tp"
 
     @classmethod
-    def _missing_(cls, value):
-        raise ValueError(f"unknown FFN layout {value!r}; choose from {', '.join(cls)}")
+    def noun(cls) -> str:
+        return "FFN layout"
 
     @property
     def splits_batch(self) -> bool:

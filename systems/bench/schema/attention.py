@@ -42,9 +42,6 @@ class AttentionMeasured(Measured):
     do_bench_ms: float | None
     sdpa_do_bench_ms: float | None
 
-    def peak_mb(self) -> float | None:
-        return self.peak_memory_mb
-
 
 class AttentionPoint(Point, kind="attention", measured=AttentionMeasured):
     sweep: str  # an ATTENTION_SWEEPS key

@@ -27,8 +27,9 @@ class Measured:
         return mean
 
     def peak_mb(self) -> float | None:
-        """The most memory the point held, MiB, where it was measured (a GPU)."""
-        return None
+        """The most memory the point held, MiB, where it was measured (a GPU): a kind that measures one peak names
+        it `peak_memory_mb`; a kind that measures several says which is the most."""
+        return getattr(self, "peak_memory_mb", None)
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from systems.accounting.checkpointing import Checkpointing
 from systems.bench.schema.base import Measured, Point
+from systems.bench.schema.distributed import CollectiveShape
 from systems.model import Attention
 from systems.parallel.swiglu import FFNLayout, Placement
 from systems.precision import Precision
@@ -94,14 +95,11 @@ class FFNBandwidthMeasured(Measured):
         return {"all-reduce": self.all_reduce, "all-gather": self.all_gather, "reduce-scatter": self.reduce_scatter}
 
 
-class FFNBandwidthPoint(Point, kind="ffn_bandwidth", measured=FFNBandwidthMeasured):
-    backend: str
-    world_size: int
-    size_mb: float
+class FFNBandwidthPoint(CollectiveShape, Point, kind="ffn_bandwidth", measured=FFNBandwidthMeasured):
     precision: Precision
 
     def __str__(self) -> str:
-        return f"{self.backend}-{self.world_size}ranks-{self.size_mb:g}MiB-{self.precision.name}"
+        return f"{super().__str__()}-{self.precision.name}"
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,23 @@ FSDP_VARIANTS = (Variant.SINGLE, Variant.BUCKETED, Variant.FSDP, Variant.FSDP2)
 
 
 @dataclass(frozen=True)
+class TrainingShape:
+    """What a training point trains: a preset of an edition, in a precision, `batch` sequences of `context` tokens
+    per rank on `world_size` ranks. The first fields of the training kinds below, and of their ids."""
+
+    preset: str
+    edition: str
+    precision: Precision
+    batch: int  # per rank
+    context: int
+    world_size: int
+
+    def shape_id(self) -> str:
+        return (f"{self.preset}-{self.edition}-{self.precision.name}-b{self.batch}-ctx{self.context}-"
+                f"{self.world_size}ranks")
+
+
+@dataclass(frozen=True)
 class AllReduceMeasured(Measured):
     """Per call: one all-reduce at a time, after a barrier, ended by a synchronize. Back to back: nccl-tests'
     time per all-reduce over `loop_calls` issued without host synchronization (None in runs made before it
@@ -49,13 +66,20 @@ class AllReduceMeasured(Measured):
         return self.loop_time_s
 
 
-class AllReducePoint(Point, kind="allreduce", measured=AllReduceMeasured):
+@dataclass(frozen=True)
+class CollectiveShape:
+    """A collective's backend, ranks and tensor size: the first fields of the kinds that time collectives."""
+
     backend: str
     world_size: int
     size_mb: float
 
     def __str__(self) -> str:
         return f"{self.backend}-{self.world_size}ranks-{self.size_mb:g}MiB"
+
+
+class AllReducePoint(CollectiveShape, Point, kind="allreduce", measured=AllReduceMeasured):
+    """A float32 tensor all-reduced."""
 
 
 @dataclass(frozen=True)
@@ -96,20 +120,13 @@ class DDPMeasured(TrainingMeasured):
     comm_share: float  # comm_wait / step
 
 
-class DDPPoint(Point, kind="ddp", measured=DDPMeasured):
+class DDPPoint(TrainingShape, Point, kind="ddp", measured=DDPMeasured):
     variant: Variant  # one of DDP_VARIANTS
     bucket_size_mb: float | None  # DDPBucketed's, and torch DDP's bucket_cap_mb
-    preset: str
-    edition: str
-    precision: Precision
-    batch: int  # per rank
-    context: int
-    world_size: int
 
     def __str__(self) -> str:
         bucket = "" if self.bucket_size_mb is None else f"-{self.bucket_size_mb:g}MiB"
-        return (f"{self.variant}{bucket}-{self.preset}-{self.edition}-{self.precision.name}-b{self.batch}"
-                f"-ctx{self.context}-{self.world_size}ranks")
+        return f"{self.variant}{bucket}-{self.shape_id()}"
 
 
 @dataclass(frozen=True)
@@ -129,20 +146,13 @@ class OptimizerMeasured(Measured):
         return None if self.memory_mb is None else max(self.memory_mb.values())
 
 
-class OptimizerPoint(Point, kind="optimizer", measured=OptimizerMeasured):
+class OptimizerPoint(TrainingShape, Point, kind="optimizer", measured=OptimizerMeasured):
     """AdamW, ShardedOptimizer (ZeRO-1) or torch's ZeroRedundancyOptimizer, under DDPBucketed."""
 
     optimizer: Optimizer
-    preset: str
-    edition: str
-    precision: Precision
-    batch: int  # per rank
-    context: int
-    world_size: int
 
     def __str__(self) -> str:
-        return (f"{self.optimizer}-{self.preset}-{self.edition}-{self.precision.name}-b{self.batch}-ctx{self.context}"
-                f"-{self.world_size}ranks")
+        return f"{self.optimizer}-{self.shape_id()}"
 
 
 @dataclass(frozen=True)
@@ -157,20 +167,13 @@ def _levers(variant: Variant, gather: Gather | None, prefetch: int | None) -> st
     return f"-{gather}-prefetch{prefetch}" if variant == Variant.FSDP else ""
 
 
-class FSDPPoint(Point, kind="fsdp", measured=FSDPMeasured):
+class FSDPPoint(TrainingShape, Point, kind="fsdp", measured=FSDPMeasured):
     variant: Variant  # one of FSDP_VARIANTS
-    preset: str
-    edition: str
-    precision: Precision
-    batch: int  # per rank
-    context: int
-    world_size: int
     gather: Gather | None  # our FSDP's (None for the other variants)
     prefetch: int | None
 
     def __str__(self) -> str:
-        return (f"{self.variant}-{self.preset}-{self.edition}-{self.precision.name}-b{self.batch}-ctx{self.context}"
-                f"-{self.world_size}ranks{_levers(self.variant, self.gather, self.prefetch)}")
+        return f"{self.variant}-{self.shape_id()}{_levers(self.variant, self.gather, self.prefetch)}"
 
 
 @dataclass(frozen=True)
@@ -182,18 +185,12 @@ class FullStepMeasured(FSDPMeasured):
     peak_memory_mb_per_rank: list[float] | None
 
 
-class FullStepPoint(Point, kind="fullstep", measured=FullStepMeasured):
+class FullStepPoint(TrainingShape, Point, kind="fullstep", measured=FullStepMeasured):
     """A whole training step with its levers: a variant of systems.parallel.train (our FSDP for the leaderboard's
     model), the attention backend, a checkpointing scheme and the cross-entropy `loss_chunk` tokens at a time
     (None: the whole logits)."""
 
     variant: Variant
-    preset: str
-    edition: str
-    precision: Precision
-    batch: int  # per rank
-    context: int
-    world_size: int
     attention: Attention
     checkpoint: Checkpointing
     loss_chunk: int | None
@@ -202,6 +199,5 @@ class FullStepPoint(Point, kind="fullstep", measured=FullStepMeasured):
 
     def __str__(self) -> str:
         loss = "full" if self.loss_chunk is None else f"chunk{self.loss_chunk}"
-        return (f"{self.variant}-{self.preset}-{self.edition}-{self.precision.name}-b{self.batch}-ctx{self.context}"
-                f"-{self.world_size}ranks-{self.attention}-ckpt-{self.checkpoint}-loss-{loss}"
+        return (f"{self.variant}-{self.shape_id()}-{self.attention}-ckpt-{self.checkpoint}-loss-{loss}"
                 f"{_levers(self.variant, self.gather, self.prefetch)}")

@@ -19,6 +19,23 @@ MODEL_PHASES = ("forward", "backward", "forward_backward", "step")
 
 
 @dataclass(frozen=True)
+class ModelSettings:
+    """What a one-process point runs: a preset of an edition, the batch and context it takes, in a precision,
+    with an attention backend. The first fields of the kinds below, and of their ids."""
+
+    preset: str
+    edition: str
+    batch: int
+    context: int
+    precision: Precision
+    attention: Attention
+
+    def settings_id(self) -> str:
+        return (f"{self.preset}-{self.edition}-b{self.batch}-ctx{self.context}-{self.precision.name}-"
+                f"{self.attention}")
+
+
+@dataclass(frozen=True)
 class ModelMeasured(Measured):
     parameters: int
     tokens_per_s: float | None  # None under --benchmark-disable, where nothing is timed
@@ -26,23 +43,13 @@ class ModelMeasured(Measured):
     peak_memory_mb: float | None  # over the timed rounds, on a GPU
     config: dict
 
-    def peak_mb(self) -> float | None:
-        return self.peak_memory_mb
 
-
-class ModelPoint(Point, kind="model", measured=ModelMeasured):
-    preset: str
-    edition: str
-    batch: int
-    context: int
-    precision: Precision
-    attention: Attention
+class ModelPoint(ModelSettings, Point, kind="model", measured=ModelMeasured):
     compile: str  # "eager", or a --compile-mode
     phase: str  # one of MODEL_PHASES
 
     def __str__(self) -> str:
-        return (f"{self.preset}-{self.edition}-b{self.batch}-ctx{self.context}-{self.precision.name}-{self.attention}"
-                f"-{self.compile}-{self.phase}")
+        return f"{self.settings_id()}-{self.compile}-{self.phase}"
 
 
 @dataclass(frozen=True)
@@ -50,24 +57,14 @@ class WarmupMeasured(Measured):
     peak_memory_mb: float | None
     config: dict
 
-    def peak_mb(self) -> float | None:
-        return self.peak_memory_mb
 
-
-class WarmupPoint(Point, kind="warmup", measured=WarmupMeasured):
+class WarmupPoint(ModelSettings, Point, kind="warmup", measured=WarmupMeasured):
     """Forward+backward on a fresh eager model, timed after `warmup_steps` untimed steps."""
 
-    preset: str
-    edition: str
-    batch: int
-    context: int
-    precision: Precision
-    attention: Attention
     warmup_steps: int
 
     def __str__(self) -> str:
-        return (f"{self.preset}-{self.edition}-b{self.batch}-ctx{self.context}-{self.precision.name}-{self.attention}"
-                f"-warmup{self.warmup_steps}")
+        return f"{self.settings_id()}-warmup{self.warmup_steps}"
 
 
 @dataclass(frozen=True)
@@ -87,22 +84,12 @@ class CheckpointMeasured(Measured):
     throughput: Throughput | None
     config: dict
 
-    def peak_mb(self) -> float | None:
-        return self.peak_memory_mb
 
-
-class CheckpointPoint(Point, kind="checkpoint", measured=CheckpointMeasured):
-    preset: str
-    edition: str
-    batch: int
-    context: int
-    precision: Precision
-    attention: Attention
+class CheckpointPoint(ModelSettings, Point, kind="checkpoint", measured=CheckpointMeasured):
     scheme: Checkpointing
 
     def __str__(self) -> str:
-        return (f"{self.preset}-{self.edition}-b{self.batch}-ctx{self.context}-{self.precision.name}-{self.attention}"
-                f"-{self.scheme}")
+        return f"{self.settings_id()}-{self.scheme}"
 
 
 @dataclass(frozen=True)
