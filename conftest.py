@@ -42,8 +42,18 @@ def exact_fp32_matmuls():
     torch.backends.cuda.matmul.allow_tf32 = previous
 
 
+@pytest.fixture(scope="session")
+def triton_loaded():
+    """An inner run records triton's version, so load triton before `pytester` snapshots sys.modules.
+
+    pytester drops what a test imported when the test ends; triton's bindings cannot be loaded twice in one
+    process (nanobind aborts), nor unloaded quietly (nanobind reports them leaked at exit).
+    """
+    import triton  # noqa: F401
+
+
 @pytest.fixture
-def inner_pytest(pytester, monkeypatch):
+def inner_pytest(triton_loaded, pytester, monkeypatch):
     """`pytester` for running pytest inside pytest as a user would, also from an xdist worker, with the plugin.
 
     The inner run inherits the worker's environment, and pytest-benchmark switches itself off wherever it

@@ -5,8 +5,10 @@ newest complete run; a run interrupted inside a point's warm-up keeps the points
 import json
 
 import pytest
+from pytest_benchmark.utils import get_machine_id
 
-from sleep_bench import GATE, bench, histories  # noqa: F401 (bench is a fixture)
+from sleep_bench import BENCH, GATE, bench, histories  # noqa: F401 (bench is a fixture)
+from systems.bench.schema import SCHEMA
 
 CORRUPTIONS = {
     "truncated": lambda text: text[: len(text) // 2],
@@ -24,21 +26,30 @@ MESSAGES = {"truncated": "cannot be read (JSONDecodeError", "empty": "cannot be 
             "stats-moved": "its stats lack", "newer-schema": "saved with schema 99 (this code reads 2): a newer schema"}
 
 
-def corrupt(inner_pytest, how: str) -> str:
-    (history,) = histories(inner_pytest)
-    history.write_text(CORRUPTIONS[how](history.read_text()))
-    return history.read_text()
+def saved_history(inner_pytest, how: str) -> str:
+    """BENCH's two benchmarks as a run of this machine saved them, corrupted `how`; its text."""
+    stats = {"min": 0.01, "max": 0.01, "mean": 0.01, "stddev": 0.0, "rounds": 5, "median": 0.01, "iqr": 0.0,
+             "q1": 0.01, "q3": 0.01, "iqr_outliers": 0, "stddev_outliers": 0, "outliers": "0;0", "ld15iqr": 0.01,
+             "hd15iqr": 0.01, "ops": 100.0, "total": 0.05, "iterations": 1}
+    benchmarks = [{"group": None, "name": name, "fullname": f"test_sleep.py::{name}", "params": None, "param": None,
+                   "extra_info": {}, "options": {}, "stats": stats} for name in ("test_first", "test_last")]
+    history = {"machine_info": {"systems_lab": {"gpu": None}}, "commit_info": {}, "benchmarks": benchmarks,
+               "datetime": "2026-01-01T12:00:00", "version": "5.2.3", "systems_lab_schema": SCHEMA,
+               "systems_lab_complete": True, "out_of_memory": []}
+    path = inner_pytest.path / ".benchmarks" / get_machine_id() / "0001_abc_20260101_120000.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(CORRUPTIONS[how](json.dumps(history)))
+    return path.read_text()
 
 
 @pytest.mark.parametrize("how", CORRUPTIONS)
 @pytest.mark.parametrize("args", [[GATE], ["--benchmark-compare", "--benchmark-compare-fail=mean:50%"],
                                   ["--benchmark-compare=0001", "--benchmark-autosave"]],
                          ids=["gate", "compare-latest", "compare-named"])
-def test_a_history_that_cannot_be_read_stops_the_run_naming_it_and_is_not_saved_over(bench, inner_pytest, how,
-                                                                                     args):
-    bench("--benchmark-autosave").assert_outcomes(passed=3)
-    text = corrupt(inner_pytest, how)
-    ran = bench(*args)
+def test_a_history_that_cannot_be_read_stops_the_run_naming_it_and_is_not_saved_over(inner_pytest, how, args):
+    inner_pytest.makepyfile(test_sleep=BENCH.format(first=0.01, last=0.01))
+    text = saved_history(inner_pytest, how)
+    ran = inner_pytest.runpytest_inprocess("-p", "no:cacheprovider", *args)
     assert ran.ret == pytest.ExitCode.USAGE_ERROR
     output = ran.stdout.str() + ran.stderr.str()
     line = next(line for line in output.splitlines() if "benchmark history: " in line)

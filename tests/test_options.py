@@ -63,7 +63,7 @@ def test_grid(request):
 ])
 def test_a_bad_grid_option_is_a_usage_error_at_start_up(inner_pytest, option, message):
     inner_pytest.makepyfile(test_nothing=NOTHING)
-    ran = inner_pytest.runpytest_subprocess(option, "--collect-only", "-p", "no:cacheprovider")
+    ran = inner_pytest.runpytest_inprocess(option, "--collect-only", "-p", "no:cacheprovider")
     assert ran.ret == pytest.ExitCode.USAGE_ERROR
     assert message in ran.stderr.str()
 
@@ -71,7 +71,7 @@ def test_a_bad_grid_option_is_a_usage_error_at_start_up(inner_pytest, option, me
 def test_options_become_their_levers_in_one_typed_grid(inner_pytest):
     """The benches get objects, not text: a precision, a checkpointing scheme, a gather, a variant."""
     inner_pytest.makepyfile(test_grid=GRID)
-    ran = inner_pytest.runpytest_subprocess("--presets=all", "--compile-contexts=", "--precisions=bf16-weights",
+    ran = inner_pytest.runpytest_inprocess("--presets=all", "--compile-contexts=", "--precisions=bf16-weights",
                                             "--checkpoint=none,every4,6x1,nested", "--fsdp-gather=layer,block",
                                             "--fullstep-variants=fsdp,fsdp2", "--loss-chunk=full",
                                             "--attn-impls=" + ",".join(BENCHED_BACKENDS), "--warmup-steps=0",
@@ -95,7 +95,7 @@ def test_options_become_their_levers_in_one_typed_grid(inner_pytest):
 def test_a_grid_that_selects_no_point_of_a_bench_is_an_error_naming_the_options(inner_pytest, bench, options,
                                                                                message):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ran = inner_pytest.runpytest_subprocess(os.path.join(root, "benches", bench), *options, "--collect-only",
+    ran = inner_pytest.runpytest_inprocess(os.path.join(root, "benches", bench), *options, "--collect-only",
                                             "-p", "no:cacheprovider", "-o", "python_files=bench_*.py")
     assert ran.ret != pytest.ExitCode.OK
     assert message in ran.stdout.str() + ran.stderr.str()
