@@ -74,6 +74,14 @@ def _loss_chunk(text: str) -> int | None:
     return None if text == "full" else _positive(int)(text)
 
 
+def _over_the_world(text: str) -> Variant:
+    """A variant that shares the step over every rank: the layouts of hsdp and torch-hsdp are bench_layouts'."""
+    variant = Variant(text)
+    if variant.meshed:
+        raise ValueError(f"{variant} takes a layout: bench_layouts runs it")
+    return variant
+
+
 def _checkpointing(text: str) -> Checkpointing:
     return Checkpointing.parse(text)
 
@@ -171,8 +179,8 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
         Option("--fullstep-preset", _name, "leaderboard-2026-tiny",
                "bench_fullstep's model; the issue's: leaderboard-2026 (with --contexts 32768 --batch-size 1 "
                "--precisions bf16 --loss-chunk 4096)"),
-        Option("--fullstep-variant", Variant, "fsdp", "how bench_fullstep's ranks share the step: "
-               + ", ".join(Variant)),
+        Option("--fullstep-variant", _over_the_world, "fsdp", "how bench_fullstep's ranks share the step: "
+               + ", ".join(variant for variant in Variant if not variant.meshed)),
         Option("--loss-chunk", _loss_chunk, "48", "tokens per chunk of bench_fullstep's cross-entropy, or full"),
     ]),
 }

@@ -1,0 +1,118 @@
+"""The training loop over layouts (TrainSpec.layout): `train(spec)` with our FSDP over the world, our HSDP
+(FSDP over a Mesh) at 2 x 2 and at its DDP-like end 4 x 1, and torch's HSDP (TorchHSDP) at 2 x 2 trains exactly
+like one process (tests/layout_reference.py): the same losses and gathered parameters, compared with == and
+torch.equal in fp32.
+
+Why exact: under gloo our collectives sum in rank order (systems.parallel.collectives), which the reference
+reproduces, including the mean of the losses `train` reports; torch's FSDP2 at 2 x 2 sums two terms per group and
+divides by 2 before and after, exact in binary (tests/test_hsdp.py). A reduction over the wrong group (the world
+instead of the shard group), a replicate all-reduce left out, or a rank taking another's rows changes the result
+far beyond any rounding. Under NCCL only the 2 x 2 runs are exact (every group sums two terms) where the GPU's
+kernels are deterministic; this file runs on gloo. A layout that does not fit the process group fails before
+anything is built, on every rank, naming both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from layout_reference import train_one_process
+from spawned_ranks import results_by_rank
+from systems.parallel.mesh import Layout
+from systems.parallel.parallelize import full_parameters
+from systems.parallel.spec import TrainSpec, Variant
+from systems.parallel.train import train
+from systems.precision import PRECISIONS
+from systems.step import make_model
+
+BASE = TrainSpec(preset="tiny", variant="fsdp", precision="fp32", batch_size=2, context=12, warmup=0, steps=3,
+                 lr=1e-2, fsdp_gather="layer")
+SPECS = {"fsdp-1x4": BASE,
+         "hsdp-2x2": dataclasses.replace(BASE, variant="hsdp", layout="2x2", fsdp_gather="block"),
+         "hsdp-4x1": dataclasses.replace(BASE, variant="hsdp", layout="4x1"),
+         "torch-hsdp-2x2": dataclasses.replace(BASE, variant="torch-hsdp", layout="2x2")}
+WORLD_SIZE = 4
+
+
+def trained_parameters(model, step) -> dict:
+    """`train`'s `then`: the parameters, whole."""
+    return {"params": full_parameters(model)}
+
+
+def train_every_spec() -> dict:
+    results = {name: train(spec, trained_parameters) for name, spec in SPECS.items()}
+    try:
+        train(dataclasses.replace(BASE, variant="hsdp", layout="2x3"))
+    except ValueError as error:  # raised on every rank before any collective: the group stays usable
+        results["mismatch"] = str(error)
+    if dist.get_rank() == 0:
+        for name, spec in SPECS.items():
+            layout = spec.layout_for(WORLD_SIZE)
+            results[name]["reference"] = train_one_process(spec, layout, torch.device("cpu"))
+    return results
+
+
+replicas = results_by_rank("replicas", train_every_spec, gloo_world_sizes=(WORLD_SIZE,), timeout=600,
+                           nccl_world_sizes=())
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_every_layout_trains_exactly_like_one_process(replicas, name):
+    expected = replicas[0][name]["reference"]
+    for rank, result in enumerate(replicas):
+        assert result[name]["losses"] == expected["losses"], f"rank {rank}"
+        actual = result[name]["params"]
+        assert list(actual) == list(expected["params"])
+        for param, value in expected["params"].items():
+            assert torch.equal(actual[param], value), f"rank {rank}, {param}"
+
+
+def test_training_moves_every_parameter(replicas):
+    """Guards the comparisons against a run in which nothing trains."""
+    trained = replicas[0]["hsdp-2x2"]["params"]
+    torch.manual_seed(BASE.seed)
+    initial = make_model(BASE.config("cpu"), torch.device("cpu"), PRECISIONS["fp32"])
+    assert all(not torch.equal(trained[name], p.detach()) for name, p in initial.named_parameters())
+
+
+def test_a_layout_that_does_not_fit_the_group_fails_on_every_rank_naming_both(replicas):
+    assert all(result["mismatch"] == "hsdp's layout 2x3 has 6 ranks; this process group has 4" for result in replicas)
+
+
+@pytest.mark.parametrize("text, layout", [("2x2", Layout(2, 2)), ("1x4", Layout(shard=4)), ("4X1", Layout(4)),
+                                          ("1x2x2", Layout(1, 2, 2))])
+def test_layout_text_is_replicas_by_shards_then_tensor(text, layout):
+    assert Layout.parse(text) == layout
+    assert Layout.parse(str(layout)) == layout
+
+
+@pytest.mark.parametrize("text", ["2", "2x", "x2", "2x2x2x2", "2*2", "-1x4", "0x4", "two x two"])
+def test_a_bad_layout_is_refused_by_name(text):
+    with pytest.raises(ValueError, match="layout|Layout"):
+        TrainSpec(variant="hsdp", layout=text)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(variant="hsdp"), "hsdp needs a layout of replicas x shards"),
+    (dict(variant="torch-hsdp"), "torch-hsdp needs a layout"),
+    (dict(variant="fsdp", layout="2x2"), "a layout is for hsdp and torch-hsdp; fsdp shares the step over every rank"),
+    (dict(variant="bucketed", layout="4x1"), "bucketed shares the step over every rank"),
+    (dict(variant="hsdp", layout="1x2x2"), "no tensor parallelism"),
+    (dict(variant="hsdp", layout="2x2", optimizer="sharded"), "shards the optimizer state itself"),
+])
+def test_a_layout_is_checked_against_the_variant_when_the_spec_is_made(fields, message):
+    with pytest.raises(ValueError, match=message):
+        TrainSpec(**fields)
+
+
+@pytest.mark.parametrize("variant, world_size, layout", [
+    ("single", 1, Layout()), ("bucketed", 4, Layout(replicate=4)), ("torch", 2, Layout(replicate=2)),
+    ("fsdp", 4, Layout(shard=4)), ("fsdp2", 8, Layout(shard=8)),
+])
+def test_the_other_variants_lay_out_every_rank_along_their_own_axis(variant, world_size, layout):
+    assert TrainSpec(variant=variant).layout_for(world_size) == layout
+    assert Variant(variant).over_the_world(world_size) == layout
