@@ -211,6 +211,8 @@ def _allreduce(info: dict, point) -> AllReduceMeasured:
                              bare_busbw_gbps=info.get("bare_busbw_gbps"), loop_vs_bare=None)
 
 
+# Kinds the schema was born with no older history holding (nothing to migrate): bench_layouts' points.
+NEWER_THAN_MIGRATION = ("layout",)
 MEASURED_OF = {
     "model": lambda info, point: ModelMeasured(info["parameters"], info.get("tokens_per_s"), _throughput(info),
                                                info.get("peak_memory_mb"), _config(point)),

@@ -19,6 +19,7 @@ from systems.accounting.checkpointing import Checkpointing
 from systems.attention.backends import BENCHED_BACKENDS
 from systems.model import DEFAULT_EDITION, EDITIONS, Attention
 from systems.parallel.fsdp import Gather, check_prefetch
+from systems.parallel.mesh import Layout
 from systems.parallel.ranks import BACKENDS
 from systems.parallel.spec import Variant
 from systems.precision import DTYPES, Precision, get_precision
@@ -80,6 +81,14 @@ def _over_the_world(text: str) -> Variant:
     if variant.meshed:
         raise ValueError(f"{variant} takes a layout: bench_layouts runs it")
     return variant
+
+
+def _layout(text: str) -> Layout:
+    """Replicas x shards: a tensor axis is tensor parallelism, which the training loop has not."""
+    layout = Layout.parse(text)
+    if layout.tensor != 1:
+        raise ValueError(f"{layout} has a tensor axis; give replicas x shards, e.g. 2x2")
+    return layout
 
 
 def _checkpointing(text: str) -> Checkpointing:
@@ -160,8 +169,8 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
                "from naive, compiled (torch.compile'd naive), pytorch (FlashAttentionPytorch), triton, sdpa; "
                "default naive,compiled,triton,sdpa on CUDA and naive,pytorch,sdpa on CPU", many=True, empty=True),
     ]),
-    "distributed benchmarks": ("bench_allreduce, bench_ddp, bench_fsdp, bench_fullstep; defaults fit a laptop CPU "
-                               "(gloo, 2 ranks)", [
+    "distributed benchmarks": ("bench_allreduce, bench_ddp, bench_fsdp, bench_layouts, bench_fullstep; defaults fit "
+                               "a laptop CPU (gloo, 2 ranks; bench_layouts 4)", [
         Option("--world-sizes", _positive(int), "2", "numbers of ranks, e.g. 2,4,8", many=True),
         Option("--allreduce-backends", _one_of(BACKENDS, "backend"), "gloo",
                "gloo (CPU tensors) and/or nccl (one GPU per rank)", many=True),
@@ -176,6 +185,9 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
                "layer, e.g. 1,2,5", many=True),
         Option("--fsdp-gather", Gather, "block", "what one of our FSDP's collectives covers: layer (each weight, "
                "the handout's) and/or block (a Transformer block's weights, FSDP2's)", many=True),
+        Option("--layouts", _layout, "2x2", "bench_layouts' replicas x shards (HSDP, ours and torch's), e.g. 2x2,2x4; "
+               "each layout's N ranks also run as DDP (N x 1) and FSDP (1 x N)", many=True),
+        Option("--layout-preset", _name, "tiny", "model preset of bench_layouts; the issue's point: xl on 4 GPUs"),
         Option("--fullstep-preset", _name, "leaderboard-2026-tiny",
                "bench_fullstep's model; the issue's: leaderboard-2026 (with --contexts 32768 --batch-size 1 "
                "--precisions bf16 --loss-chunk 4096)"),
@@ -185,7 +197,7 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
     ]),
 }
 OPTIONS = {option.dest: option for _, options in GROUPS.values() for option in options}
-PRESET_OPTIONS = ("presets", "ddp_preset", "fsdp_preset", "fullstep_preset")
+PRESET_OPTIONS = ("presets", "ddp_preset", "fsdp_preset", "layout_preset", "fullstep_preset")
 
 
 @dataclass(frozen=True)
