@@ -68,3 +68,11 @@ def train_one_process(spec: TrainSpec, layout: Layout, device: torch.device, ext
         losses.append(mean_in_order(step_losses).item())
     return {"losses": losses[:len(steps)],
             "params": {name: p.detach().cpu().clone() for name, p in model.named_parameters()}}
+
+
+def assert_trained_alike(result: dict, expected: dict, where: str = "") -> None:
+    """The same losses and parameters (names, order, dtypes and every bit) as `expected`."""
+    assert result["losses"] == expected["losses"], where
+    assert list(result["params"]) == list(expected["params"]), where
+    for name, value in expected["params"].items():
+        assert torch.equal(result["params"][name], value), f"{where} {name}"

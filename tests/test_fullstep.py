@@ -3,8 +3,8 @@ systems AdamW) trains exactly like one process with FSDP and checkpointing off: 
 compared with torch.equal in fp32.
 
 Why exact: the reference is test_fsdp's (tests/layout_reference.py: each rank's micro-batch gradient made apart,
-with that rank's shapes and kernels, added in rank order and halved, as FSDP's collectives do); checkpointing recomputes the same ops
-on the same inputs (test_checkpointing); AdamW updates each element on its own, so a shard's update is a slice
+with that rank's shapes and kernels, added in rank order and halved, as FSDP's collectives do); checkpointing
+recomputes the same ops on the same inputs (test_checkpointing); AdamW updates each element on its own, so a shard's update is a slice
 of the whole one. The chunked loss is not exact against the whole-logits one: the weight's gradient is a sum
 over chunks where the whole loss makes one matmul over every token, so the reference runs the same chunked loss,
 and tests/test_loss.py checks the chunked loss against float64 within a derived bound.
@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from layout_reference import train_one_process
+from layout_reference import assert_trained_alike, train_one_process
 from spawned_ranks import results_by_rank
 from systems.accounting import recomputed_blocks
 from systems.parallel.mesh import Layout
@@ -64,13 +64,8 @@ replicas = results_by_rank("replicas", train_every_spec, gloo_world_sizes=(2,), 
 
 @pytest.mark.parametrize("name", SPECS)
 def test_levers_on_train_exactly_like_one_process(replicas, name):
-    expected = replicas[0][name]["reference"]
     for rank, result in enumerate(replicas):
-        assert result[name]["losses"] == expected["losses"], f"rank {rank}"
-        actual = result[name]["params"]
-        assert list(actual) == list(expected["params"])
-        for param, value in expected["params"].items():
-            assert torch.equal(actual[param], value), f"rank {rank}, {param}"
+        assert_trained_alike(result[name], replicas[0][name]["reference"], f"rank {rank}")
 
 
 @pytest.mark.parametrize("name", SPECS)

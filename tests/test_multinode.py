@@ -17,10 +17,11 @@ own two GPUs) compare their losses with one process within LOSS_RTOL (cuBLAS and
 Failures: the launchers get a rendezvous join timeout (JOIN_TIMEOUT), and the ranks a process-group timeout
 (GROUP_TIMEOUT) that bounds any collective a dead peer leaves waiting. A node killed mid-run (its launcher's
 whole process group, as a node's power going would) fails the surviving launcher within GROUP_TIMEOUT plus
-start-up slack, its ranks each printing a line that names its rank and node; a node that never arrives fails the
-rendezvous within its join timeout (NEVER_ARRIVES) plus slack. Nothing is left behind: every process the test starts carries a marker
-in its environment, and /proc must hold none of them afterwards (the ranks torchrun starts live in sessions of
-their own; ours die with their launcher, systems.parallel.ranks.init_from_env). Teardown kills any that remain.
+start-up slack, naming rank and node (test_a_node_that_dies... says how); a node that never arrives fails the
+rendezvous within its join timeout (NEVER_ARRIVES) plus slack. Nothing is left behind: every process the test
+starts carries a marker in its environment, and /proc must hold none of them afterwards (the ranks torchrun starts
+live in sessions of their own; ours die with their launcher, systems.parallel.ranks.init_from_env). Teardown kills
+any that remain.
 Ports are free ports the kernel picks and rendezvous ids are fresh, so `pytest -n` workers cannot collide.
 """
 
@@ -41,7 +42,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from layout_reference import train_one_process
+from layout_reference import assert_trained_alike, train_one_process
 from systems.model import get_config
 from systems.parallel.mesh import Layout
 from systems.parallel.parallelize import full_parameters
@@ -133,8 +134,8 @@ class Cluster:
             while not listening(self.port) and self.nodes[0].process.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.1)
         command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}",
-                   f"--nproc-per-node={RANKS_PER_NODE}", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{self.port}",
-                   f"--rdzv-id={self.job}", f"--rdzv-conf=join_timeout={self.join_timeout:g}", "--max-restarts=0",
+                   f"--nproc-per-node={RANKS_PER_NODE}", "--rdzv-backend=c10d",
+                   f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.job}", f"--rdzv-conf=join_timeout={self.join_timeout:g}", "--max-restarts=0",
                    "--monitor-interval=0.5", "-m", "systems.parallel", f"--backend={self.backend}",
                    f"--timeout={GROUP_TIMEOUT}", *options]
         env = os.environ | {MARKER: self.job, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
@@ -264,10 +265,7 @@ def test_two_nodes_train_like_one_process(cluster_of, tmp_path, request, name):
             expected = train_one_process(spec, spec.layout_for(WORLD_SIZE), cpu)
     else:
         expected = request.getfixturevalue("one_node").run(train_on_one_node, spec)[0]
-    assert result["losses"] == expected["losses"]
-    assert list(result["params"]) == list(expected["params"])
-    for param, value in expected["params"].items():
-        assert torch.equal(result["params"][param], value), param
+    assert_trained_alike(result, expected)
     torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(one_process(spec, cpu)["losses"]),
                                rtol=LOSS_RTOL, atol=0)
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from layout_reference import train_one_process
+from layout_reference import assert_trained_alike, train_one_process
 from spawned_ranks import results_by_rank
 from systems.parallel.mesh import Layout
 from systems.parallel.parallelize import full_parameters
@@ -62,13 +62,8 @@ replicas = results_by_rank("replicas", train_every_spec, gloo_world_sizes=(WORLD
 
 @pytest.mark.parametrize("name", SPECS)
 def test_every_layout_trains_exactly_like_one_process(replicas, name):
-    expected = replicas[0][name]["reference"]
     for rank, result in enumerate(replicas):
-        assert result[name]["losses"] == expected["losses"], f"rank {rank}"
-        actual = result[name]["params"]
-        assert list(actual) == list(expected["params"])
-        for param, value in expected["params"].items():
-            assert torch.equal(actual[param], value), f"rank {rank}, {param}"
+        assert_trained_alike(result[name], replicas[0][name]["reference"], f"rank {rank}")
 
 
 def test_training_moves_every_parameter(replicas):

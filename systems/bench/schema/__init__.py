@@ -15,10 +15,11 @@ from systems.bench.schema.model import (MODEL_PHASES, CheckpointMeasured, Checkp
                                         ContextSearchPoint, ModelMeasured, ModelPoint, WarmupMeasured, WarmupPoint)
 from systems.bench.schema.records import SCHEMA, NewerSchema, SchemaError, from_record, to_record
 
-__all__ = ["ATTENTION_PASSES", "ATTENTION_SWEEPS", "DDP_VARIANTS", "FSDP_VARIANTS", "KINDS", "LAYOUT_BUCKET_MB", "LAYOUT_VARIANTS",
-           "MEASURED", "MODEL_PHASES", "POINT", "SCHEMA", "AllReduceMeasured", "AllReducePoint", "AttentionMeasured",
-           "AttentionPoint", "AxisComm", "CheckpointMeasured", "CheckpointPoint", "ContextSearchMeasured", "ContextSearchPoint",
-           "DDPMeasured", "DDPPoint", "FSDPMeasured", "FSDPPoint", "FullStepMeasured", "FullStepPoint", "LayoutMeasured", "LayoutPoint", "Measured",
-           "ModelMeasured", "ModelPoint", "NewerSchema", "OptimizerMeasured", "OptimizerPoint", "Phases", "Point",
-           "SchemaError", "Throughput", "TrainingMeasured", "WarmupMeasured", "WarmupPoint", "from_record",
-           "read_measured", "read_point", "to_record"]
+__all__ = ["ATTENTION_PASSES", "ATTENTION_SWEEPS", "DDP_VARIANTS", "FSDP_VARIANTS", "KINDS", "LAYOUT_BUCKET_MB",
+           "LAYOUT_VARIANTS", "MEASURED", "MODEL_PHASES", "POINT", "SCHEMA", "AllReduceMeasured", "AllReducePoint",
+           "AttentionMeasured", "AttentionPoint", "AxisComm", "CheckpointMeasured", "CheckpointPoint",
+           "ContextSearchMeasured", "ContextSearchPoint", "DDPMeasured", "DDPPoint", "FSDPMeasured", "FSDPPoint",
+           "FullStepMeasured", "FullStepPoint", "LayoutMeasured", "LayoutPoint", "Measured", "ModelMeasured",
+           "ModelPoint", "NewerSchema", "OptimizerMeasured", "OptimizerPoint", "Phases", "Point", "SchemaError",
+           "Throughput", "TrainingMeasured", "WarmupMeasured", "WarmupPoint", "from_record", "read_measured",
+           "read_point", "to_record"]
