@@ -21,7 +21,7 @@ from systems.model import DEFAULT_EDITION, EDITIONS, Attention
 from systems.parallel.fsdp import Gather, check_prefetch
 from systems.parallel.mesh import Layout
 from systems.parallel.ranks import BACKENDS
-from systems.parallel.spec import Variant
+from systems.parallel.spec import Variant, check_data_layout
 from systems.precision import DTYPES, Precision, get_precision
 
 def _number(kind: type, text: str):
@@ -84,11 +84,7 @@ def _over_the_world(text: str) -> Variant:
 
 
 def _layout(text: str) -> Layout:
-    """Replicas x shards: a tensor axis is tensor parallelism, which the training loop has not."""
-    layout = Layout.parse(text)
-    if layout.tensor != 1:
-        raise ValueError(f"{layout} has a tensor axis; give replicas x shards, e.g. 2x2")
-    return layout
+    return check_data_layout(Layout.parse(text))
 
 
 def _checkpointing(text: str) -> Checkpointing:

@@ -111,9 +111,8 @@ class TrainSpec:
         if not self.variant.meshed and self.layout is not None:
             raise ValueError(f"a layout is for {Variant.HSDP} and {Variant.TORCH_HSDP}; {self.variant} shares the "
                              f"step over every rank")
-        if self.layout is not None and self.layout.tensor != 1:
-            raise ValueError(f"layout {self.layout}: the training loop has no tensor parallelism (systems.parallel."
-                             f"tensor); give replicas x shards")
+        if self.layout is not None:
+            check_data_layout(self.layout)
         if self.variant.sharded and self.optimizer != Optimizer.ADAMW:
             raise ValueError(f"{self.variant} shards the optimizer state itself: use optimizer 'adamw'")
         if self.variant == Variant.TORCH and self.bucket_size_mb is None:
@@ -146,6 +145,14 @@ class TrainSpec:
 
 def _checkpointing(scheme: Checkpointing | str) -> Checkpointing:
     return scheme if isinstance(scheme, Checkpointing) else Checkpointing.parse(scheme)
+
+
+def check_data_layout(layout: Layout) -> Layout:
+    """A layout of replicas x shards: the training loop has no tensor parallelism (systems.parallel.tensor)."""
+    if layout.tensor != 1:
+        raise ValueError(f"layout {layout}: the training loop has no tensor parallelism (systems.parallel.tensor); "
+                         f"give replicas x shards, e.g. 2x2")
+    return layout
 
 
 def _layout(layout: Layout | str | None) -> Layout | None:
