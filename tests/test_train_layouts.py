@@ -1,7 +1,8 @@
 """The training loop over layouts (TrainSpec.layout): `train(spec)` with our FSDP over the world, our HSDP
 (FSDP over a Mesh) at 2 x 2 and at its DDP-like end 4 x 1, and torch's HSDP (TorchHSDP) at 2 x 2 trains exactly
 like one process (tests/layout_reference.py): the same losses and gathered parameters, compared with == and
-torch.equal in fp32.
+torch.equal in fp32. In the same ranks, bench_layouts' axis timer (systems.bench.axes) replays a step's
+collectives on each axis's own groups.
 
 Why exact: under gloo our collectives sum in rank order (systems.parallel.collectives), which the reference
 reproduces, including the mean of the losses `train` reports; torch's FSDP2 at 2 x 2 sums two terms per group and
@@ -15,12 +16,16 @@ anything is built, on every rank, naming both.
 from __future__ import annotations
 
 import dataclasses
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from layout_reference import assert_trained_alike, train_one_process
+from systems.accounting.traffic import fsdp_collectives
+from systems.bench import axes
+from systems.bench.axes import axis_timer
 from spawned_ranks import results_by_rank
 from systems.parallel.mesh import Layout
 from systems.parallel.parallelize import full_parameters
@@ -43,8 +48,38 @@ def trained_parameters(model, step) -> dict:
     return {"params": full_parameters(model)}
 
 
+# The step's collectives of HSDP 2 x 2 replayed axis by axis (systems.bench.axes, bench_layouts' timer), in the
+# same ranks after training: each on its axis's group, of the step's sizes.
+AXIS_SPEC, AXIS_ROUNDS = SPECS["hsdp-2x2"], 2
+
+
+def replayed_axes(model, step) -> dict:
+    """The axis timer of bench_layouts, its collectives recorded: (kind, the group's ranks, each rank's numel)."""
+    calls = []
+
+    def recorded(kind: str, collective, numel_of):
+        def record(*args):
+            group = args[-1]
+            calls.append((kind, tuple(dist.get_process_group_ranks(group)), numel_of(*args)))
+            return collective(*args)
+        return record
+
+    layout = AXIS_SPEC.layout_for(WORLD_SIZE)
+    collectives = fsdp_collectives(AXIS_SPEC.config("cpu"), AXIS_SPEC.precision, layout, AXIS_SPEC.fsdp_gather)
+    timer = axis_timer(layout, collectives, plain_all_reduce=False, rounds=AXIS_ROUNDS)
+    with (mock.patch.object(axes, "all_gather", recorded("all_gather", axes.all_gather,
+                                                         lambda outputs, shards, name, group: shards[0].numel())),
+          mock.patch.object(axes, "reduce_scatter_mean",
+                            recorded("reduce_scatter", axes.reduce_scatter_mean,
+                                     lambda outputs, fulls, name, group: outputs[0].numel())),
+          mock.patch.object(axes, "all_reduce_mean", recorded("all_reduce", axes.all_reduce_mean,
+                                                              lambda tensor, name, group: tensor.numel()))):
+        return timer(model, step) | {"calls": calls, "schedule": collectives}
+
+
 def train_every_spec() -> dict:
     results = {name: train(spec, trained_parameters) for name, spec in SPECS.items()}
+    results["axes"] = train(AXIS_SPEC, replayed_axes)
     try:
         train(dataclasses.replace(BASE, variant="hsdp", layout="2x3"))
     except ValueError as error:  # raised on every rank before any collective: the group stays usable
@@ -72,6 +107,21 @@ def test_training_moves_every_parameter(replicas):
     torch.manual_seed(BASE.seed)
     initial = make_model(BASE.config("cpu"), torch.device("cpu"), PRECISIONS["fp32"])
     assert all(not torch.equal(trained[name], p.detach()) for name, p in initial.named_parameters())
+
+
+def test_each_axis_replays_the_steps_collectives_on_its_own_groups(replicas):
+    """Per axis, an untimed round and AXIS_ROUNDS timed ones of that axis's collectives, in order, each on this
+    rank's group along that axis (shard: (0, 1), (2, 3); replicate: (0, 2), (1, 3)), of the step's sizes; a time
+    for each axis."""
+    layout = AXIS_SPEC.layout_for(WORLD_SIZE)
+    for rank, result in enumerate(replicas):
+        replayed = result["axes"]
+        group = {axis: next(g for g in layout.groups((axis,)) if rank in g) for axis in ("shard", "replicate")}
+        expected = [(c.kind, group[axis], c.numel) for axis in ("shard", "replicate")
+                    for _ in range(1 + AXIS_ROUNDS) for c in replayed["schedule"] if c.axis == axis]
+        assert replayed["calls"] == expected, f"rank {rank}"
+        assert set(replayed["axis_seconds"]) == {"shard", "replicate"}
+        assert all(seconds > 0 for seconds in replayed["axis_seconds"].values())
 
 
 def test_a_layout_that_does_not_fit_the_group_fails_on_every_rank_naming_both(replicas):
