@@ -16,7 +16,8 @@ MACHINE = "Linux-CPython-3.12-64bit"
 TESTS = {"model": "bench_model.py::test_model", "warmup": "bench_model.py::test_warmup_study",
          "attention": "bench_attention.py::test_flash_sweep", "allreduce": "bench_allreduce.py::test_allreduce",
          "ddp": "bench_ddp.py::test_ddp_step", "optimizer": "bench_ddp.py::test_optimizer_memory",
-         "fsdp": "bench_fsdp.py::test_fsdp_step", "fullstep": "bench_fullstep.py::test_fullstep",
+         "fsdp": "bench_fsdp.py::test_fsdp_step", "layout": "bench_layouts.py::test_layout_step",
+         "fullstep": "bench_fullstep.py::test_fullstep",
          "checkpoint": "bench_checkpoint.py::test_checkpoint",
          "context_search": "bench_checkpoint.py::test_largest_context"}
 

@@ -37,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from layout_reference import layout_mean
 from memory_probes import cpu_peak_bytes
 from spawned_ranks import results_by_rank
 from systems.accounting import fsdp_memory
@@ -44,6 +45,7 @@ from systems.model import TransformerLM, get_config
 from systems.optim import AdamW
 from systems.parallel import fsdp as fsdp_module
 from systems.parallel.fsdp import FSDP, fsdp_gather_full_params, fsdp_on_after_backward, get_fsdp
+from systems.parallel.mesh import Layout
 from systems.parallel.ranks import rank_device
 from systems.parallel.spec import TrainSpec
 from systems.precision import PRECISIONS
@@ -172,13 +174,11 @@ def train_one_process(model_name: str, precision: str, optimizer_name: str, devi
                           else p.to(dtype) if dtype is not None and p in own else p)
                    for name, p in model.named_parameters()}
         leaves = [weights[name] if p in sharded else p for name, p in trainable.items()]
-        total = None
-        for rank in range(world_size):
-            loss = loss_of(functional_call(model, weights, (tokens[rows(rank)],)), targets[rows(rank)])
-            grads = torch.autograd.grad(loss, leaves)
-            total = list(grads) if total is None else [t.add_(g) for t, g in zip(total, grads)]
-        for param, grad in zip(trainable.values(), total):
-            param.grad = grad.div_(world_size).to(param.dtype)
+        grads = [torch.autograd.grad(loss_of(functional_call(model, weights, (tokens[rows(rank)],)),
+                                         targets[rows(rank)]), leaves)
+                 for rank in range(world_size)]
+        for param, grad in zip(trainable.values(), layout_mean(grads, Layout(shard=world_size))):
+            param.grad = grad.to(param.dtype)
         set_lr(optimizer, optimizer_name, step)
         optimizer.step()
         optimizer.zero_grad()

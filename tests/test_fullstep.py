@@ -2,9 +2,9 @@
 systems AdamW) trains exactly like one process with FSDP and checkpointing off: the same losses and parameters,
 compared with torch.equal in fp32.
 
-Why exact: the reference is test_fsdp's (each rank's micro-batch gradient made apart, with that rank's shapes
-and kernels, added in rank order and halved, as FSDP's collectives do); checkpointing recomputes the same ops
-on the same inputs (test_checkpointing); AdamW updates each element on its own, so a shard's update is a slice
+Why exact: the reference is test_fsdp's (tests/layout_reference.py: each rank's micro-batch gradient made apart,
+with that rank's shapes and kernels, added in rank order and halved, as FSDP's collectives do); checkpointing
+recomputes the same ops on the same inputs (test_checkpointing); AdamW updates each element on its own, so a shard's update is a slice
 of the whole one. The chunked loss is not exact against the whole-logits one: the weight's gradient is a sum
 over chunks where the whole loss makes one matmul over every token, so the reference runs the same chunked loss,
 and tests/test_loss.py checks the chunked loss against float64 within a derived bound.
@@ -21,12 +21,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from layout_reference import assert_trained_alike, train_one_process
 from spawned_ranks import results_by_rank
 from systems.accounting import recomputed_blocks
-from systems.optim import AdamW
+from systems.parallel.mesh import Layout
 from systems.parallel.ranks import rank_device
 from systems.parallel.spec import TrainSpec
-from systems.parallel.train import Rank, rank_batches, train
+from systems.parallel.train import train
 from systems.precision import PRECISIONS
 from systems.step import make_model
 
@@ -48,37 +49,13 @@ def one_more_step(model, step) -> dict:
     return {"params": {name: t.cpu() for name, t in model.gather_full_params().items()}, "block_calls": len(calls)}
 
 
-def one_process(spec: TrainSpec, world_size: int, device: torch.device) -> dict:
-    """The same steps without FSDP or checkpointing: per-rank micro-batch gradients, summed in rank order, halved."""
-    config = dataclasses.replace(spec.config(), checkpoint=())
-    torch.manual_seed(spec.seed)  # rank 0's, which FSDP broadcasts
-    model = make_model(config, device, spec.precision)
-    params = list(model.parameters())
-    optimizer = AdamW(params, lr=spec.lr)
-    steps = list(zip(*(rank_batches(config, spec, Rank(r, world_size, device)) for r in range(world_size))))
-    losses = []
-    for micro_batches in steps + steps[-1:]:  # the extra step runs on the last batch again
-        total, step_losses = None, []
-        for tokens, targets in micro_batches:
-            loss = model(tokens, targets)
-            grads = torch.autograd.grad(loss, params)
-            total = list(grads) if total is None else [t.add_(g) for t, g in zip(total, grads)]
-            step_losses.append(loss.detach())
-        for param, grad in zip(params, total):
-            param.grad = grad.div_(world_size)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(sum(step_losses[1:], step_losses[0]) / world_size)
-    return {"losses": [loss.item() for loss in losses[:-1]],
-            "params": {name: p.detach().cpu().clone() for name, p in model.named_parameters()}}
-
-
 def train_every_spec() -> dict:
     results = {}
     for name, spec in SPECS.items():
         results[name] = train(spec, one_more_step)
         if dist.get_rank() == 0:
-            results[name]["reference"] = one_process(spec, dist.get_world_size(), rank_device())
+            results[name]["reference"] = train_one_process(spec, Layout(shard=dist.get_world_size()), rank_device(),
+                                                           extra_step=True)
     return results
 
 
@@ -87,13 +64,8 @@ replicas = results_by_rank("replicas", train_every_spec, gloo_world_sizes=(2,), 
 
 @pytest.mark.parametrize("name", SPECS)
 def test_levers_on_train_exactly_like_one_process(replicas, name):
-    expected = replicas[0][name]["reference"]
     for rank, result in enumerate(replicas):
-        assert result[name]["losses"] == expected["losses"], f"rank {rank}"
-        actual = result[name]["params"]
-        assert list(actual) == list(expected["params"])
-        for param, value in expected["params"].items():
-            assert torch.equal(actual[param], value), f"rank {rank}, {param}"
+        assert_trained_alike(result[name], replicas[0][name]["reference"], f"rank {rank}")
 
 
 @pytest.mark.parametrize("name", SPECS)

@@ -206,6 +206,7 @@ def test_a_history_saved_before_the_schema_migrates_into_it_once(tmp_path):
 
 
 def test_migration_knows_every_kind():
+    """Every kind an older history may hold, or refused as newer than the migration."""
     assert migrate.MEASURED_OF.keys() == KINDS.keys()
 
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.func import functional_call
 
+from layout_reference import layout_mean
 from spawned_ranks import results_by_rank
 from systems.accounting import fsdp_memory, hsdp_memory, hsdp_traffic
 from systems.accounting.traffic import all_reduce_bytes, gather_bytes
@@ -89,13 +90,6 @@ def set_lr(optimizer: torch.optim.Optimizer, name: str, step: int) -> None:
         group["lr"] = LR[name] * (1 + step) / 2
 
 
-def mean_in_order(terms: list[torch.Tensor]) -> torch.Tensor:
-    total = terms[0].clone()
-    for term in terms[1:]:
-        total.add_(term)
-    return total.div_(len(terms))
-
-
 def train_one_process(layout: Layout, compute: str, optimizer_name: str, device) -> dict:
     """Rank micro-batches' gradients, the sharded weights' in the compute dtype, averaged over each shard group in
     rank order and then over the replicas in replica order; every rank's losses."""
@@ -118,10 +112,8 @@ def train_one_process(layout: Layout, compute: str, optimizer_name: str, device)
             loss = loss_of(functional_call(model, weights, (tokens[rows(rank)],)), targets[rows(rank)])
             grads.append(torch.autograd.grad(loss, list(weights.values())))
             step_losses.append(loss.detach())
-        for i, param in enumerate(params.values()):
-            replicas = [mean_in_order([grads[layout.rank(r, s, 0)][i] for s in range(layout.shard)])
-                        for r in range(layout.replicate)]
-            param.grad = mean_in_order(replicas).to(param.dtype)
+        for param, grad in zip(params.values(), layout_mean(grads, layout)):
+            param.grad = grad.to(param.dtype)
         set_lr(optimizer, optimizer_name, step)
         optimizer.step()
         optimizer.zero_grad()

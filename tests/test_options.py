@@ -13,6 +13,7 @@ from systems.accounting import Checkpointing
 from systems.attention import BENCHED_BACKENDS
 from systems.model import EDITIONS, Attention
 from systems.parallel.fsdp import Gather
+from systems.parallel.mesh import Layout
 from systems.parallel.spec import Variant
 from systems.precision import PRECISIONS
 
@@ -41,6 +42,8 @@ def test_grid(request):
     ("--fsdp-gather=blocks", f"--fsdp-gather: unknown gather 'blocks'; choose from {', '.join(Gather)}"),
     ("--fsdp-prefetch=0", "--fsdp-prefetch: prefetch must be at least 1, got 0"),
     ("--fullstep-variants=fsdp,ddp", "--fullstep-variants: unknown variant 'ddp'; choose from " + ", ".join(Variant)),
+    ("--fullstep-variants=fsdp,torch-hsdp", "--fullstep-variants: torch-hsdp takes a layout: bench_layouts runs it"),
+    ("--layouts=2x2,1x2x2", "--layouts: layout 1x2x2: the training loop has no tensor parallelism"),
     ("--checkpoint=every0", "--checkpoint: checkpointing 'every0': segment sizes must be positive"),
     ("--checkpoint=4", "--checkpoint: unknown checkpointing '4'"),
     ("--loss-chunk=0", "--loss-chunk: 0 is not positive"),
@@ -69,13 +72,14 @@ def test_a_bad_grid_option_is_a_usage_error_at_start_up(inner_pytest, option, me
 
 
 def test_options_become_their_levers_in_one_typed_grid(inner_pytest):
-    """The benches get objects, not text: a precision, a checkpointing scheme, a gather, a variant."""
+    """The benches get objects, not text: a precision, a checkpointing scheme, a gather, a variant, a layout."""
     inner_pytest.makepyfile(test_grid=GRID)
     ran = inner_pytest.runpytest_inprocess("--presets=all", "--compile-contexts=", "--precisions=bf16-weights",
                                             "--checkpoint=none,every4,6x1,nested", "--fsdp-gather=layer,block",
                                             "--fullstep-variants=fsdp,fsdp2", "--loss-chunk=full",
                                             "--attn-impls=" + ",".join(BENCHED_BACKENDS), "--warmup-steps=0",
-                                            "--bucket-sizes-mb=0.5,100", "-p", "no:cacheprovider")
+                                            "--bucket-sizes-mb=0.5,100", "--layouts=2x2,1X4", "-p",
+                                            "no:cacheprovider")
     assert ran.ret == pytest.ExitCode.OK, ran.stderr.str()
     grid = json.loads((inner_pytest.path / "grid.json").read_text())
     assert grid["presets"] == repr(list(EDITIONS["2025"]))
@@ -84,6 +88,7 @@ def test_options_become_their_levers_in_one_typed_grid(inner_pytest):
     assert grid["fsdp_gather"] == repr([Gather.LAYER, Gather.BLOCK])
     assert grid["fullstep_variants"] == repr([Variant.FSDP, Variant.FSDP2]) and grid["loss_chunk"] == "None"
     assert grid["compile_contexts"] == "[]" and grid["bucket_sizes_mb"] == "[0.5, 100.0]"
+    assert grid["layouts"] == repr([Layout(replicate=2, shard=2), Layout(shard=4)])
 
 
 @pytest.mark.parametrize("bench, options, message", [

@@ -1,5 +1,7 @@
 """Bytes each rank sends per training step on each axis of a layout (systems.parallel.mesh), as executable
-arithmetic: FSDP/HSDP's collectives on the shard and replicate axes.
+arithmetic: the collectives of a step of FSDP/HSDP on the shard and replicate axes, and of DDPBucketed on the
+replicate axis, one `StepCollective` each (`fsdp_collectives`, `ddp_collectives`: what bench_layouts times axis
+by axis), summed by `axis_traffic` (`hsdp_traffic`, `ddp_traffic`).
 
 A collective over n ranks is counted as the ring algorithm sends it (NCCL's, and the bus bandwidth nccl-tests
 reports): an all-gather or a reduce-scatter of chunks of c elements sends (n - 1) chunks, (n - 1) * c elements;
@@ -16,6 +18,8 @@ Transformer LM:
 - replicate axis: each gather group's chunks of the reduce-scattered gradients (ceil(numel / S) elements of each
   of its weights) all-reduced in the compute dtype, one collective per group; the replicated parameters'
   gradients all-reduced again.
+DDPBucketed (Layout(replicate=N)): every gradient all-reduced in its own dtype (the weights'), in the buckets
+`systems.parallel.ddp.fill_buckets` makes of the parameters in reverse order, one all-reduce each, in backward.
 """
 
 from __future__ import annotations
@@ -23,12 +27,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from systems.accounting.sharding import block_weights, sharded_weights
 from systems.accounting.transformer import count_parameters
-from systems.model import TransformerConfig
+from systems.model import TransformerConfig, TransformerLM
+from systems.parallel.ddp import fill_buckets
 from systems.parallel.fsdp import DEFAULT_GATHER, Gather
 from systems.parallel.mesh import Layout
 from systems.precision import Precision
+
+COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
+PASSES = ("forward", "backward")
 
 
 def gather_bytes(ranks: int, chunk_bytes: int) -> int:
@@ -54,30 +64,86 @@ class AxisTraffic:
         return self.all_gather + self.reduce_scatter + self.all_reduce
 
 
+@dataclass(frozen=True)
+class StepCollective:
+    """One collective of a step over one axis's group of `ranks`: each rank's part of it, `numel` elements of
+    `itemsize` bytes (its chunk for an all-gather or a reduce-scatter, the whole tensor for an all-reduce), in
+    the forward or the backward pass."""
+
+    axis: str  # "shard" or "replicate"
+    kind: str  # one of COLLECTIVES
+    numel: int
+    itemsize: int
+    ranks: int
+    pass_: str  # one of PASSES
+
+    @property
+    def bytes_sent(self) -> int:
+        if self.kind == "all_reduce":
+            return all_reduce_bytes(self.ranks, self.numel, self.itemsize)
+        return gather_bytes(self.ranks, self.numel * self.itemsize)
+
+
+def axis_traffic(collectives: list[StepCollective]) -> dict[str, AxisTraffic]:
+    """{"shard": ..., "replicate": ...}: the bytes the collectives send on each axis, by kind."""
+    return {axis: AxisTraffic(**{kind: sum(c.bytes_sent for c in collectives if (c.axis, c.kind) == (axis, kind))
+                                 for kind in COLLECTIVES})
+            for axis in ("shard", "replicate")}
+
+
 def hsdp_traffic(config: TransformerConfig, precision: Precision, layout: Layout,
                  gather: Gather = DEFAULT_GATHER) -> dict[str, AxisTraffic]:
     """{"shard": ..., "replicate": ...}: bytes a rank sends per step of FSDP over `layout` (replicas x shards),
     computing in `precision.compute` with weights in `precision.weights`, gathering by `gather` (FSDP's groups,
     which decide how the replicas' all-reduces are cut)."""
+    return axis_traffic(fsdp_collectives(config, precision, layout, gather))
+
+
+def ddp_traffic(config: TransformerConfig, precision: Precision, world_size: int,
+                bucket_size_mb: float | None) -> dict[str, AxisTraffic]:
+    """Bytes a rank sends per step of DDPBucketed over `world_size` ranks: all on the replicate axis."""
+    return axis_traffic(ddp_collectives(config, precision, world_size, bucket_size_mb))
+
+
+def fsdp_collectives(config: TransformerConfig, precision: Precision, layout: Layout,
+                     gather: Gather = DEFAULT_GATHER) -> list[StepCollective]:
+    """A step of our FSDP over `layout`'s shard groups, replicated over its replicas (HSDP), one collective per
+    group of weights (`gather`), in the order each pass issues them; none on an axis of one rank."""
     if not isinstance(layout, Layout) or layout.tensor != 1:
-        raise ValueError(f"hsdp_traffic takes a Layout of replicas and shards only, got {layout!r}")
+        raise ValueError(f"FSDP's traffic takes a Layout of replicas and shards only, got {layout!r}")
     gather = Gather(gather)
     shards, replicas = layout.shard, layout.replicate
     compute, weight = precision.compute.itemsize, precision.weights.itemsize
-    weights = sharded_weights(config)
-    replicated = count_parameters(config) - sum(weights)
+    replicated = count_parameters(config) - sum(sharded_weights(config))
+    chunks = [sum(math.ceil(numel / shards) for numel in group) for group in _groups(config, gather)]
+    collectives = []
+    if shards > 1:
+        def shard(kind: str, numel: int, itemsize: int, pass_: str) -> StepCollective:
+            return StepCollective("shard", kind, numel, itemsize, shards, pass_)
 
-    def chunk(numel: int) -> int:
-        return math.ceil(numel / shards)
+        collectives += [shard("all_gather", chunk, compute, "forward") for chunk in chunks]
+        # Backward gathers again every group but the embedding's (it saves no weight), last first.
+        collectives += [shard("all_gather", chunk, compute, "backward") for chunk in reversed(chunks[1:])]
+        collectives += [shard("reduce_scatter", chunk, compute, "backward") for chunk in reversed(chunks)]
+        collectives.append(shard("all_reduce", replicated, weight, "backward"))
+    if replicas > 1:
+        collectives += [StepCollective("replicate", "all_reduce", chunk, compute, replicas, "backward")
+                        for chunk in reversed(chunks)]
+        collectives.append(StepCollective("replicate", "all_reduce", replicated, weight, replicas, "backward"))
+    return collectives
 
-    gathered = sum(gather_bytes(shards, chunk(n) * compute) for n in weights + weights[1:])  # forward, backward
-    shard = AxisTraffic(all_gather=gathered,
-                        reduce_scatter=sum(gather_bytes(shards, chunk(n) * compute) for n in weights),
-                        all_reduce=all_reduce_bytes(shards, replicated, weight))
-    replicate = AxisTraffic(all_reduce=sum(all_reduce_bytes(replicas, sum(chunk(n) for n in group), compute)
-                                           for group in _groups(config, gather))
-                            + all_reduce_bytes(replicas, replicated, weight))
-    return {"shard": shard, "replicate": replicate}
+
+def ddp_collectives(config: TransformerConfig, precision: Precision, world_size: int,
+                    bucket_size_mb: float | None) -> list[StepCollective]:
+    """A step of DDPBucketed over `world_size` ranks: one all-reduce per bucket (None: one bucket), in the
+    order backward fills them, on the replicate axis (none on one rank)."""
+    if world_size == 1:
+        return []
+    with torch.device("meta"):  # the model's parameters in their order, shapes and dtype, without memory
+        params = list(TransformerLM(config).to(precision.weights).parameters())
+    return [StepCollective("replicate", "all_reduce", sum(p.numel() for p in bucket), precision.weights.itemsize,
+                           world_size, "backward")
+            for bucket in fill_buckets(params[::-1], bucket_size_mb)]
 
 
 def _groups(config: TransformerConfig, gather: Gather) -> list[list[int]]:

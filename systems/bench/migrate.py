@@ -248,7 +248,7 @@ MEASURED_OF = {
         largest_context=info["largest_context"], first_oom_context=info["first_oom_context"],
         predicted_largest_context=info["predicted_largest_context"],
         at_longest=_checkpoint_measured(info, point, info["largest_context"] or point.start)),
-    **{kind: _newer_kind(kind) for kind in ("ffn", "ffn_bandwidth", "leaderboard")},
+    **{kind: _newer_kind(kind) for kind in ("ffn", "ffn_bandwidth", "leaderboard", "layout")},
 }
 
 

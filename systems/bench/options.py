@@ -19,8 +19,9 @@ from systems.accounting.checkpointing import Checkpointing
 from systems.attention.backends import BENCHED_BACKENDS
 from systems.model import DEFAULT_EDITION, EDITIONS, Attention
 from systems.parallel.fsdp import Gather, check_prefetch
+from systems.parallel.mesh import Layout
 from systems.parallel.ranks import BACKENDS
-from systems.parallel.spec import Variant
+from systems.parallel.spec import Variant, check_data_layout
 from systems.parallel.swiglu import FFNLayout
 from systems.precision import DTYPES, Precision, get_precision
 
@@ -77,6 +78,18 @@ def _loss_chunk(text: str) -> int | None:
 
 def _leaderboard_model(text: str) -> str:
     return _one_of(("ours", "cs336_basics"), "model")(text)
+
+
+def _over_the_world(text: str) -> Variant:
+    """A variant that shares the step over every rank: the layouts of hsdp and torch-hsdp are bench_layouts'."""
+    variant = Variant(text)
+    if variant.meshed:
+        raise ValueError(f"{variant} takes a layout: bench_layouts runs it")
+    return variant
+
+
+def _layout(text: str) -> Layout:
+    return check_data_layout(Layout.parse(text))
 
 
 def _checkpointing(text: str) -> Checkpointing:
@@ -157,8 +170,8 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
                "from naive, compiled (torch.compile'd naive), pytorch (FlashAttentionPytorch), triton, sdpa; "
                "default naive,compiled,triton,sdpa on CUDA and naive,pytorch,sdpa on CPU", many=True, empty=True),
     ]),
-    "distributed benchmarks": ("bench_allreduce, bench_ddp, bench_fsdp, bench_fullstep; defaults fit a laptop CPU "
-                               "(gloo, 2 ranks)", [
+    "distributed benchmarks": ("bench_allreduce, bench_ddp, bench_fsdp, bench_layouts, bench_fullstep; defaults fit "
+                               "a laptop CPU (gloo, 2 ranks; bench_layouts 4)", [
         Option("--world-sizes", _positive(int), "2", "numbers of ranks, e.g. 2,4,8", many=True),
         Option("--allreduce-backends", _one_of(BACKENDS, "backend"), "gloo",
                "gloo (CPU tensors) and/or nccl (one GPU per rank)", many=True),
@@ -173,11 +186,15 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
                "layer, e.g. 1,2,5", many=True),
         Option("--fsdp-gather", Gather, "block", "what one of our FSDP's collectives covers: layer (each weight, "
                "the handout's) and/or block (a Transformer block's weights, FSDP2's)", many=True),
+        Option("--layouts", _layout, "2x2", "bench_layouts' replicas x shards (HSDP, ours and torch's), e.g. 2x2,2x4; "
+               "each layout's N ranks also run as DDP (N x 1) and FSDP (1 x N)", many=True),
+        Option("--layout-preset", _name, "tiny", "model preset of bench_layouts; the issue's point: xl on 4 GPUs"),
         Option("--fullstep-preset", _name, "leaderboard-2026-tiny",
                "bench_fullstep's model; the issue's: leaderboard-2026 (with --contexts 32768 --batch-size 1 "
                "--precisions bf16 --loss-chunk 4096)"),
-        Option("--fullstep-variants", Variant, "fsdp", "how bench_fullstep's ranks share the step, e.g. fsdp,fsdp2 "
-               "(ours and torch's FSDP2 in one run); from " + ", ".join(Variant), many=True),
+        Option("--fullstep-variants", _over_the_world, "fsdp", "how bench_fullstep's ranks share the step, e.g. "
+               "fsdp,fsdp2 (ours and torch's FSDP2 in one run); from "
+               + ", ".join(variant for variant in Variant if not variant.meshed), many=True),
         Option("--loss-chunk", _loss_chunk, "48", "tokens per chunk of bench_fullstep's and bench_leaderboard's "
                "cross-entropy (ours), or full"),
     ]),
@@ -210,7 +227,7 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
     ]),
 }
 OPTIONS = {option.dest: option for _, options in GROUPS.values() for option in options}
-PRESET_OPTIONS = ("presets", "ddp_preset", "fsdp_preset", "fullstep_preset", "leaderboard_preset")
+PRESET_OPTIONS = ("presets", "ddp_preset", "fsdp_preset", "layout_preset", "fullstep_preset", "leaderboard_preset")
 
 
 @dataclass(frozen=True)

@@ -5,49 +5,102 @@
 
 One option per TrainSpec field (`--bucket-size-mb` for bucket_size_mb), each parsed by TrainSpec with its
 lever's own parser: `--checkpoint every1` (none, everyK, KxK, nested), `--loss-chunk 4096` (or none),
-`--precision bf16`, `--fsdp-gather block`.
+`--precision bf16`, `--fsdp-gather block`, `--variant hsdp --layout 2x2` (replicas x shards). Beside them, how
+the ranks run: `--backend`, `--timeout` (seconds any collective may wait, rendezvous included, before it fails
+the rank) and `--save-params FILE` (rank 0 saves the trained parameters there, whole: torch.load gives
+{name: tensor}).
+
+Several nodes (docs/multinode.md): one torchrun per node, the same c10d rendezvous endpoint on each, e.g. on two
+nodes of 4 GPUs `torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m
+systems.parallel --variant hsdp --layout 2x4`. Each rank dies with its launcher (a node that goes leaves no
+rank behind), and a rank that fails prints one line naming its rank and node before its traceback, so that the
+job's output says where it broke.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import socket
 import statistics
+import sys
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from systems.parallel.ranks import init_from_env
+from systems.parallel.parallelize import full_parameters
+from systems.parallel.ranks import BACKENDS, init_from_env
 from systems.parallel.spec import TrainSpec
 from systems.parallel.train import train
 
+PROG = "python -m systems.parallel"
+
+
+@dataclass(frozen=True)
+class Launch:
+    """How this rank runs, beside what it trains: the process group's backend and timeout (seconds), and where
+    rank 0 saves the trained parameters (None: nowhere)."""
+
+    backend: str
+    timeout: float
+    save_params: str | None
+
 
 def main(argv: list[str] | None = None) -> None:
-    backend, spec = parse_args(argv)
-    init_from_env(backend)
+    launch, spec = parse_args(argv)
     try:
-        result = train(spec)
+        init_from_env(launch.backend, launch.timeout)
         rank = dist.get_rank()
+        if rank == 0:
+            print(f"{PROG}: {dist.get_world_size()} ranks on {os.environ.get('GROUP_WORLD_SIZE', '1')} node(s), "
+                  f"{spec.variant} over {spec.layout_for(dist.get_world_size())}", flush=True)
+        result = train(spec, _trained_parameters if launch.save_params else None)
         # No rank tears the group down while another still talks to it: gloo can abort a rank whose peer
         # closed their connection under it.
         dist.barrier()
+    except BaseException as exc:
+        print(f"{PROG}: {where()} failed: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
+        raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     if rank == 0:
         print_result(result)
+        if launch.save_params:
+            torch.save(result["params"], launch.save_params)
 
 
-def parse_args(argv: list[str] | None) -> tuple[str, TrainSpec]:
-    """The process-group backend and a TrainSpec; a bad lever is argparse's usage error, naming the option."""
-    parser = argparse.ArgumentParser(prog="python -m systems.parallel", description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="nccl" if torch.cuda.is_available() else "gloo")
+def where() -> str:
+    """This rank and its node, as torchrun's environment names them: the node is the rendezvous' group rank."""
+    env = os.environ.get
+    return (f"rank {env('RANK', '?')} of {env('WORLD_SIZE', '?')} (node {env('GROUP_RANK', '?')} of "
+            f"{env('GROUP_WORLD_SIZE', '?')}, local rank {env('LOCAL_RANK', '?')}, host {socket.gethostname()}, "
+            f"pid {os.getpid()})")
+
+
+def _trained_parameters(model, step) -> dict:
+    """`train`'s `then`: the trained parameters, whole (a collective: every rank gathers)."""
+    return {"params": full_parameters(model)}
+
+
+def parse_args(argv: list[str] | None) -> tuple[Launch, TrainSpec]:
+    """How the ranks run and a TrainSpec; a bad lever is argparse's usage error, naming the option."""
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", choices=BACKENDS, default="nccl" if torch.cuda.is_available() else "gloo")
+    parser.add_argument("--timeout", type=float, default=600.0,
+                        help="seconds a collective may wait (rendezvous included) before it fails the rank")
+    parser.add_argument("--save-params", default=None, help="rank 0 saves the trained parameters here")
     for field in dataclasses.fields(TrainSpec):
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=_FIELD_TYPES.get(field.name, str),
                             default=field.default)
     args = vars(parser.parse_args(argv))
-    backend = args.pop("backend")
+    launch = Launch(*(args.pop(name) for name in ("backend", "timeout", "save_params")))
+    if not launch.timeout > 0:
+        parser.error(f"--timeout must be positive, got {launch.timeout}")
     try:
-        return backend, TrainSpec(**args)
+        return launch, TrainSpec(**args)
     except ValueError as exc:
         parser.error(str(exc))
 
@@ -56,7 +109,7 @@ def _optional_int(text: str) -> int | None:
     return None if text == "none" else int(text)
 
 
-# Fields whose text is a number; the others (names, schemes, presets) go to TrainSpec's parsers as text.
+# Fields whose text is a number; the others (names, schemes, presets, layouts) go to TrainSpec's parsers as text.
 _FIELD_TYPES = {"batch_size": int, "context": int, "warmup": int, "steps": int, "seed": int, "lr": float,
                 "fsdp_prefetch": int, "bucket_size_mb": float, "loss_chunk": _optional_int}
 

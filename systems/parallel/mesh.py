@@ -41,6 +41,19 @@ class Layout:
             if isinstance(size, bool) or not isinstance(size, int) or size < 1:
                 raise ValueError(f"Layout's {axis} must be a positive int, got {size!r}")
 
+    @classmethod
+    def parse(cls, text: str) -> Layout:
+        """A layout as `--layout` spells it: "RxS" (replicas x shards, "2x2") or "RxSxT" (x tensor, "1x2x2")."""
+        parts = text.strip().lower().split("x")
+        if len(parts) not in (2, 3) or not all(part.isdigit() for part in parts):
+            raise ValueError(f"a layout is replicate x shard (e.g. 2x2) or replicate x shard x tensor (e.g. 1x2x2), "
+                             f"got {text!r}")
+        return cls(*map(int, parts))
+
+    def __str__(self) -> str:
+        """As `parse` reads it: the tensor axis only where it has more than one rank."""
+        return f"{self.replicate}x{self.shard}" + (f"x{self.tensor}" if self.tensor > 1 else "")
+
     @property
     def world_size(self) -> int:
         return self.replicate * self.shard * self.tensor
@@ -96,7 +109,8 @@ class Mesh:
         if not dist.is_initialized():
             raise RuntimeError("Mesh needs an initialized process group (systems.parallel.ranks.launch, torchrun)")
         if layout.world_size != dist.get_world_size():
-            raise ValueError(f"{layout} has {layout.world_size} ranks, the process group {dist.get_world_size()}")
+            raise ValueError(f"layout {layout} has {layout.world_size} ranks, the process group "
+                             f"{dist.get_world_size()}")
         self.layout = layout
         self.rank = dist.get_rank()
         self.coordinates = layout.coordinates(self.rank)

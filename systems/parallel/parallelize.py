@@ -1,8 +1,11 @@
-"""`parallelize(model, spec, device)`: the model wrapped the way `spec.variant` shares a step between ranks.
+"""`parallelize(model, spec, device, layout)`: the model wrapped the way `spec.variant` shares a step between
+ranks laid out as `layout` (`spec.layout_for(world_size)`).
 
 Every wrapper has `module` (the model) and `finish_gradient_synchronization()`, called between backward and the
 optimizer step, so the training loop treats them alike: one process alone, our DDP variants
-(systems.parallel.ddp), torch's DistributedDataParallel, our FSDP (systems.parallel.fsdp) and torch's FSDP2.
+(systems.parallel.ddp), torch's DistributedDataParallel, our FSDP (systems.parallel.fsdp) over the world or over a
+Mesh of replicas x shards (HSDP), and torch's FSDP2 over the world or over a 2D DeviceMesh (TorchHSDP).
+`full_parameters(wrapper)` gathers what any of them trained, whole.
 """
 
 from __future__ import annotations
@@ -17,24 +20,40 @@ from torch.nn.parallel import DistributedDataParallel
 from systems.model import TransformerLM
 from systems.parallel.ddp import make_ddp
 from systems.parallel.fsdp import FSDP
+from systems.parallel.mesh import Layout, Mesh, TorchHSDP
 from systems.parallel.spec import TrainSpec, Variant
 
 
-def parallelize(model: TransformerLM, spec: TrainSpec, device: torch.device) -> nn.Module:
-    """`model` in the wrapper of `spec.variant`, with the spec's levers."""
+def parallelize(model: TransformerLM, spec: TrainSpec, device: torch.device, layout: Layout) -> nn.Module:
+    """`model` in the wrapper of `spec.variant`, with the spec's levers, over `layout`'s ranks."""
+    compute = spec.precision.compute
     match spec.variant:
         case Variant.SINGLE:
             return SingleProcess(model)
         case Variant.TORCH:
             return TorchDDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                             bucket_cap_mb=spec.bucket_size_mb)
-        case Variant.FSDP:
-            return FSDP(model, compute_dtype=spec.precision.compute, prefetch=spec.fsdp_prefetch,
-                        gather=spec.fsdp_gather)
+        case Variant.FSDP | Variant.HSDP:  # FSDP over the world needs no mesh: no new process groups
+            return FSDP(model, compute_dtype=compute, prefetch=spec.fsdp_prefetch, gather=spec.fsdp_gather,
+                        mesh=Mesh(layout) if spec.variant == Variant.HSDP else None)
         case Variant.FSDP2:
-            return TorchFSDP2(model, spec.precision.compute)
+            return TorchFSDP2(model, compute)
+        case Variant.TORCH_HSDP:
+            return TorchHSDP(model, compute, layout)
         case _:
             return make_ddp(spec.variant, model, spec.bucket_size_mb if spec.variant == Variant.BUCKETED else None)
+
+
+@torch.no_grad()
+def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of the model a wrapper trains, whole, on the CPU, by the model's own names. A collective
+    for the sharded wrappers: call it on every rank."""
+    if isinstance(model, FSDP):
+        params = model.gather_full_params()
+    else:  # FSDP2's parameters are DTensors; the other wrappers hold whole parameters
+        params = {name: p.full_tensor() if hasattr(p, "full_tensor") else p
+                  for name, p in model.module.named_parameters()}
+    return {name: p.detach().cpu().clone() for name, p in params.items()}
 
 
 class SingleProcess(nn.Module):

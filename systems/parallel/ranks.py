@@ -157,8 +157,12 @@ class RankPools:
 
 
 def init_from_env(backend: str, timeout: float = 600.0) -> None:
-    """Join the process group that torchrun describes in the environment (env:// rendezvous)."""
+    """Join the process group that torchrun describes in the environment (env:// rendezvous), as a rank that dies
+    with its launcher: torchrun starts each rank in a session of its own, so a launcher killed with its node's
+    process group would otherwise leave its ranks running. `timeout` (seconds) bounds the rendezvous and every
+    collective."""
     _check_backend(backend)
+    die_with_parent()
     _init_group(backend, int(os.environ["LOCAL_RANK"]), timeout)
 
 
@@ -194,7 +198,7 @@ def _init_group(backend: str, local_rank: int, timeout: float, **rendezvous) -> 
 
 def _serve(rank, world_size, backend, store_path, timeout, threads, jobs, results) -> None:
     """The body of one spawned rank: join the group, then run jobs until told to stop."""
-    _die_with_parent()
+    die_with_parent()
     faulthandler.register(signal.SIGUSR1)  # the parent asks a hung rank where it is stuck
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on the lent machines
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all ranks live on this host
@@ -221,7 +225,7 @@ def _serve(rank, world_size, backend, store_path, timeout, threads, jobs, result
     dist.destroy_process_group()
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Have the kernel kill this rank when the thread that started it dies, so not even a killed parent
     leaves orphans."""
     if sys.platform == "linux":

@@ -22,7 +22,9 @@ import torch.nn as nn
 
 from systems.model import TransformerConfig
 from systems.optim import AdamW, ShardedOptimizer
+from systems.parallel.collectives import all_reduce_mean
 from systems.parallel.fsdp import FSDP
+from systems.parallel.mesh import Layout
 from systems.parallel.meters import PeakMemory, PhaseClock
 from systems.parallel.parallelize import parallelize
 from systems.parallel.ranks import rank_device
@@ -35,29 +37,32 @@ PHASES = ("forward", "backward", "comm_wait", "optimizer")
 
 @dataclass(frozen=True)
 class Rank:
-    """Where this process trains: its rank among `world_size` (0 of 1 without a process group) and its device."""
+    """Where this process trains: its rank among `world_size` (0 of 1 without a process group), its device, and
+    the layout of the ranks (`TrainSpec.layout_for`: checked against the group here, before anything is built)."""
 
     index: int
     world_size: int
     device: torch.device
+    layout: Layout
 
     @classmethod
-    def current(cls, variant: Variant) -> Rank:
+    def current(cls, spec: TrainSpec) -> Rank:
         if dist.is_initialized():
-            return cls(dist.get_rank(), dist.get_world_size(), rank_device())
-        if variant != Variant.SINGLE:
-            raise ValueError(f"variant '{variant}' needs a process group")
-        return cls(0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+            world_size = dist.get_world_size()
+            return cls(dist.get_rank(), world_size, rank_device(), spec.layout_for(world_size))
+        if spec.variant != Variant.SINGLE:
+            raise ValueError(f"variant '{spec.variant}' needs a process group")
+        return cls(0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"), spec.layout_for(1))
 
     def rows(self, per_rank: int) -> slice:
         """This rank's rows of a global batch."""
         return slice(self.index * per_rank, (self.index + 1) * per_rank)
 
     def mean(self, values: torch.Tensor) -> torch.Tensor:
-        """`values` averaged over the ranks, in place."""
+        """`values` averaged over the ranks, in place: in rank order under gloo (systems.parallel.collectives), so
+        one process averaging the ranks' values in that order gets the same bits."""
         if self.world_size > 1:
-            dist.all_reduce(values)
-            values /= self.world_size
+            all_reduce_mean(values, "mean over ranks").wait()
         return values
 
 
@@ -69,12 +74,12 @@ def train(spec: TrainSpec, then: Callable[..., dict] | None = None) -> dict:
     construction, and in the last step before and during the optimizer step. `then(model, step)`, given
     the wrapped model and a function that runs one more whole step (on the last batch), adds to the result.
     """
-    rank = Rank.current(spec.variant)
+    rank = Rank.current(spec)
     torch.manual_seed(spec.seed + rank.index)  # ranks start apart; the wrapper broadcasts rank 0's weights
     memory = PeakMemory(rank.device)
     config = spec.config(rank.device.type)
     precision = spec.precision
-    model = parallelize(make_model(config, rank.device, precision), spec, rank.device)
+    model = parallelize(make_model(config, rank.device, precision), spec, rank.device, rank.layout)
     optimizer = build_optimizer(model, spec)
     memory.mark("construction")
     losses, clocks = [], []
@@ -96,7 +101,7 @@ def train(spec: TrainSpec, then: Callable[..., dict] | None = None) -> dict:
 
 def build_optimizer(model: nn.Module, spec: TrainSpec) -> torch.optim.Optimizer:
     """The optimizer over what the wrapper `model` steps: the module's parameters, or FSDP's shards."""
-    if spec.variant == Variant.FSDP2:  # its parameters are DTensors, which torch's AdamW steps
+    if spec.variant in (Variant.FSDP2, Variant.TORCH_HSDP):  # DTensor parameters, which torch's AdamW steps
         return torch.optim.AdamW(model.parameters(), lr=spec.lr)
     if spec.optimizer == Optimizer.SHARDED:
         return ShardedOptimizer(model.parameters(), AdamW, lr=spec.lr)

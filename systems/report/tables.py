@@ -12,6 +12,7 @@ from systems.model import get_config
 from systems.report.breakdown import breakdown_tables
 from systems.report.course import course_tables
 from systems.report.distributed import allreduce_tables, ddp_tables, fsdp_tables, fullstep_tables, optimizer_tables
+from systems.report.layouts import layout_tables
 from systems.report.markdown import (Table, batch_sizes, cell, fields_of, mb, mib, ms, ms_pm, number, order,
                                      pivot, sorted_by)
 from systems.report.runs import Result, Run
@@ -21,8 +22,8 @@ REGRESSION = 1.10  # a time this much above the baseline's is flagged
 
 def build_tables(run: Run) -> list[Table]:
     return (model_tables(run) + warmup_tables(run) + attention_tables(run) + allreduce_tables(run)
-            + ddp_tables(run) + fsdp_tables(run) + fullstep_tables(run) + breakdown_tables(run) + optimizer_tables(run)
-            + checkpoint_tables(run) + course_tables(run) + other_tables(run))
+            + ddp_tables(run) + fsdp_tables(run) + layout_tables(run) + fullstep_tables(run) + breakdown_tables(run)
+            + optimizer_tables(run) + checkpoint_tables(run) + course_tables(run) + other_tables(run))
 
 
 def model_tables(run: Run) -> list[Table]:
