@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from spawned_ranks import results_by_rank
+from spawned_ranks import process_groups, results_by_rank
 from systems.model import TransformerLM, get_config
 from systems.parallel import tensor as tensor_module
 from systems.parallel.fsdp import FSDP
@@ -217,16 +217,20 @@ def train_all() -> dict:
     return results
 
 
-ranks = results_by_rank("ranks", train_all, gloo_world_sizes=(2, 4), timeout=300, nccl_world_sizes=(2, 4))
+WORLD_SIZES = (2, 4)  # under gloo and NCCL alike
+GROUPS = process_groups(WORLD_SIZES, WORLD_SIZES)
+ranks = results_by_rank("ranks", train_all, WORLD_SIZES, timeout=300, nccl_world_sizes=WORLD_SIZES)
 
 
-def runs(*whats: str) -> list:
-    return [pytest.param(run, id=run_id(run)) for size in RUNS for run in RUNS[size] if run[0] in whats]
+def runs(*whats: str):
+    """Parametrize a test by ("ranks", "run"): each run under each process group of its size. Module-scoped,
+    so that the ranks fixture launches each group once for every test of the module."""
+    params = [pytest.param(group.values[0], run, id=f"{group.id}-{run_id(run)}", marks=group.marks)
+              for group in GROUPS for run in RUNS[group.values[0][1]] if run[0] in whats]
+    return pytest.mark.parametrize("ranks, run", params, indirect=["ranks"], scope="module")
 
 
 def results_of(ranks: list, run: tuple) -> list:
-    if run not in ranks[0]:
-        pytest.skip(f"a run of {run[1].world_size} ranks, not {len(ranks)}")
     return [result[run] for result in ranks]
 
 
@@ -243,7 +247,7 @@ def excess(result: dict, reference: dict, data_rank: int) -> float:
     return worst
 
 
-@pytest.mark.parametrize("run", runs("ours", "torch"))
+@runs("ours", "torch")
 def test_matches_one_process_within_rounding(ranks, run):
     results = results_of(ranks, run)
     reference = ranks[0]["reference", run[1].shard]
@@ -252,7 +256,7 @@ def test_matches_one_process_within_rounding(ranks, run):
         assert excess(result, reference, run[1].coordinates(rank)["shard"]) <= 1, f"rank {rank}"
 
 
-@pytest.mark.parametrize("run", runs(*BUGS))
+@runs(*BUGS)
 def test_realistic_bugs_fail_by_far_more_than_the_tolerance(ranks, run):
     results = results_of(ranks, run)
     reference = ranks[0]["reference", run[1].shard]
@@ -260,7 +264,7 @@ def test_realistic_bugs_fail_by_far_more_than_the_tolerance(ranks, run):
         assert excess(result, reference, run[1].coordinates(rank)["shard"]) > 100, f"rank {rank}"
 
 
-@pytest.mark.parametrize("run", runs("ours"))
+@runs("ours")
 def test_replicated_parameters_stay_identical_on_every_rank(ranks, run):
     """The embedding, norms and LM head: one computation on identical inputs across TP ranks, averaged in one
     order across dp ranks."""
@@ -269,7 +273,7 @@ def test_replicated_parameters_stay_identical_on_every_rank(ranks, run):
         assert all(torch.equal(result["replicated"][name], value) for name, value in results[0]["replicated"].items())
 
 
-@pytest.mark.parametrize("run", runs("ours"))
+@runs("ours")
 def test_each_rank_keeps_its_heads_and_d_ff_slices(ranks, run):
     """Shapes: qkv (3 d/T, d), out (d, d/T), w1 and w3 (d_ff/T, d), w2 (d, d_ff/T); values, before FSDP's
     broadcast over dp: the slices of the model of the TP group's first rank, picked head by head (a contiguous
