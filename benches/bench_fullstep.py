@@ -116,7 +116,8 @@ def test_fullstep(benchmark, fullstep_point, rank_pools, grid, device, skip_on_o
     peaks = [max(rank["memory_mb"].values()) for rank in ranks] if "memory_mb" in ranks[0] else None
     record_measured(benchmark, FullStepMeasured(
         **measured, predicted_peak_mb=predicted_peak_mb(spec, point.world_size, device),
-        peak_gathered_mb=gathered_mb(ranks), breakdown_per_rank=breakdowns(ranks), do_bench_s=do_bench, cold_start_s=cold_start,
+        peak_gathered_mb=gathered_mb(ranks), breakdown_per_rank=breakdowns(ranks), do_bench_s=do_bench,
+        cold_start_s=cold_start,
         step_pflop=point.world_size * model.flash_step / 1e15,
         recomputed_tflop=recomputed_flops(config, point.batch, point.context).forward / 1e12,
         peak_memory_mb_per_rank=peaks))

@@ -6,7 +6,7 @@ set -u
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=. PYTHONUNBUFFERED=1 SYSTEMS_LAB_COMMIT=$1
 nvidia-smi -L | tee $OUT/gpus.txt
 start=$(date +%s)
-timeout 420 python -m pytest -n 4 tests/ -p no:cacheprovider -q -rs --durations=25 > $OUT/tests_n4.log 2>&1
+timeout 320 python -m pytest -n 4 tests/ -p no:cacheprovider -q -rs --durations=25 > $OUT/tests_n4.log 2>&1
 echo "tests -n 4: exit $?, $(( $(date +%s) - start )) s"
 grep -E "passed|failed|error" $OUT/tests_n4.log | tail -3
 grep -A6 "= GPU tests =" $OUT/tests_n4.log
@@ -15,7 +15,7 @@ grep -E "^FAILED|^ERROR" $OUT/tests_n4.log | head -20
 for mode in serial n4; do
     workers=$([ $mode = n4 ] && echo "-n 4" || echo "")
     start=$(date +%s)
-    timeout 280 python -m pytest $workers benches/bench_model.py -k "test_model or test_warmup" \
+    timeout $([ $mode = n4 ] && echo 90 || echo 170) python -m pytest $workers benches/bench_model.py -k "test_model or test_warmup" \
         --presets tiny,small,medium,large,xl,2.7b --contexts 256,512,1024,2048 --precisions bf16 \
         --warmup-steps 3 --rounds 10 -p no:cacheprovider -q --benchmark-autosave \
         --benchmark-save=h100x4-model-grid-$mode > $OUT/grid_$mode.log 2>&1

@@ -19,8 +19,8 @@ from systems.attention import attention_reference
 # each query sees one key: the softmax is 1 and autograd's dS = P(dP - sum(P dP)) is exactly 0, where the
 # kernels' D = rowsum(O dO) and dP = dO vᵀ are two fp32 sums that differ by rounding; and FlashAttention-2
 # takes D from O as stored, rounded to the input dtype, where autograd sums P dP. So a floor adds FLOOR_ULPS
-# fp32 roundings of every term and the rounding of O in D (rounding_floor), plus half an ulp of the input dtype at the largest
-# element, for the final rounding of a value that fp32 error has moved across a rounding boundary.
+# fp32 roundings of every term and the rounding of O in D (rounding_floor), plus half an ulp of the input dtype
+# at the largest element, for the final rounding of a value that fp32 error has moved across a rounding boundary.
 PLAIN_ERROR_MULTIPLE = 3
 # fp32 roundings per term in the floor: a product, its sum and a rescale or two; on a GPU fp32 dots run as
 # 3xTF32, which keeps 22 of fp32's 24 significant bits (2 ulps an operand).
@@ -137,8 +137,8 @@ def rounding_floor(q, k, v, do, expected: dict[str, torch.Tensor], is_causal: bo
 
     The scores s = q kᵀ/√d err by eps32·S, with S = |q| |k|ᵀ/√d, which moves P = exp(s - L) by
     P·eps32·(S + its P-weighted mean, through L). dS = P ∘ (dP - D), with dP = dO vᵀ and D = rowsum(O ∘ dO)
-    each summed in fp32, D from O rounded to the input dtype. Then O = P v, dV = Pᵀ dO, dQ = dS k/√d and dK = dSᵀ q/√d, every factor by its
-    absolute value.
+    each summed in fp32, D from O rounded to the input dtype. Then O = P v, dV = Pᵀ dO, dQ = dS k/√d and
+    dK = dSᵀ q/√d, every factor by its absolute value.
     """
     eps, eps32 = torch.finfo(q.dtype).eps, torch.finfo(torch.float32).eps
     q, k, v, do = (t.detach().double() for t in (q, k, v, do))

@@ -120,7 +120,7 @@ def torchrun_losses(ranks: int, spec: dict) -> list[float]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                "-m", "systems.parallel", "--backend", "gloo"]
     command += [f"--{key.replace('_', '-')}={value}" for key, value in spec.items()]
-    env = os.environ | {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
+    env = os.environ | {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     out = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
     assert out.returncode == 0, out.stderr
     return [float(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("step ")]

@@ -4,10 +4,11 @@ compared with torch.equal in fp32.
 
 Why exact: the reference is test_fsdp's (tests/layout_reference.py: each rank's micro-batch gradient made apart,
 with that rank's shapes and kernels, added in rank order and halved, as FSDP's collectives do); checkpointing
-recomputes the same ops on the same inputs (test_checkpointing); AdamW updates each element on its own, so a shard's update is a slice
-of the whole one. The chunked loss is not exact against the whole-logits one: the weight's gradient is a sum
-over chunks where the whole loss makes one matmul over every token, so the reference runs the same chunked loss,
-and tests/test_loss.py checks the chunked loss against float64 within a derived bound.
+recomputes the same ops on the same inputs (test_checkpointing); AdamW updates each element on its own, so a
+shard's update is a slice of the whole one. The chunked loss is not exact against the whole-logits one: the
+weight's gradient is a sum over chunks where the whole loss makes one matmul over every token, so the reference
+runs the same chunked loss, and tests/test_loss.py checks the chunked loss against float64 within a derived
+bound.
 
 Each spec trains 3 steps through systems.parallel.train.train on 2 gloo ranks (the bench's path), then one
 more step counting the blocks' forward calls, which checks that the blocks were recomputed.

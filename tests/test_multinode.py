@@ -135,11 +135,14 @@ class Cluster:
                 time.sleep(0.1)
         command = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={NODES}",
                    f"--nproc-per-node={RANKS_PER_NODE}", "--rdzv-backend=c10d",
-                   f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.job}", f"--rdzv-conf=join_timeout={self.join_timeout:g}", "--max-restarts=0",
+                   f"--rdzv-endpoint=127.0.0.1:{self.port}", f"--rdzv-id={self.job}",
+                   f"--rdzv-conf=join_timeout={self.join_timeout:g}", "--max-restarts=0",
                    "--monitor-interval=0.5", "-m", "systems.parallel", f"--backend={self.backend}",
                    f"--timeout={GROUP_TIMEOUT}", *options]
-        env = os.environ | {MARKER: self.job, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
-                            "NCCL_NVLS_ENABLE": "0", "CUDA_VISIBLE_DEVICES": ",".join(gpus or []),
+        # One thread, MKL's too (it reads its own variable): the one-process reference sums in that order.
+        env = os.environ | {MARKER: self.job, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+                            "GLOO_SOCKET_IFNAME": "lo", "NCCL_NVLS_ENABLE": "0",
+                            "CUDA_VISIBLE_DEVICES": ",".join(gpus or []),
                             "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
         index = len(self.nodes)
         stdout, stderr = self.folder / f"node{index}.out", self.folder / f"node{index}.err"

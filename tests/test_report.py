@@ -164,7 +164,8 @@ def test_tables_select_by_point_kind_not_by_test_name(tmp_path):
     save_run(tmp_path / "storage", 1, renamed)
     code, out = report(tmp_path)
     assert code == 0
-    assert table_rows(out / "model.md") == [["small", "128", "fp32", "eager", "20 ± 1", "40 ± 2", "60 ± 3", "80 ± 4"]]
+    assert table_rows(out / "model.md") == [
+        ["small", "128", "fp32", "eager", "20 ± 1", "40 ± 2", "60 ± 3", "80 ± 4"]]
     assert not list(out.glob("*renamed*")) and not list(out.glob("test_phases_of_a_step*"))
 
 
@@ -200,7 +201,8 @@ def test_fsdp_table_puts_each_variant_beside_one_process_with_its_peak_against_t
     depth and group, torch's), with the step and all-gather wait in ms, the largest of the recorded peaks, that
     peak over the prediction, and the step against one process's of the same run."""
     benchmarks = [fsdp(Variant.FSDP2, 0.5, memory_mb={"before_step": 900.0, "after_step": 950.0}),
-                  fsdp(Variant.FSDP, 0.41, gather=Gather.BLOCK), fsdp(Variant.FSDP, 0.44, prefetch=5, gather_wait=0.002),
+                  fsdp(Variant.FSDP, 0.41, gather=Gather.BLOCK),
+                  fsdp(Variant.FSDP, 0.44, prefetch=5, gather_wait=0.002),
                   fsdp(Variant.FSDP, 0.48, gather_wait=0.0123, memory_mb={"before_step": 1200.0, "after_step": 1100.0},
                        predicted_peak_mb=1000.0, peak_gathered_mb=64.0),
                   fsdp(Variant.SINGLE, 0.4), fsdp(Variant.BUCKETED, 0.45)]

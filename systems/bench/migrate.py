@@ -131,7 +131,8 @@ def _point(kind: str, test: str, old: dict, name: str, siblings: dict) -> dict:
                 "world_size": old["world_size"]}
     if kind == "optimizer":
         run, optimizers = siblings["ddp"], siblings["optimizer"]
-        return {"kind": kind, **common, "optimizer": old["optimizer"], "preset": old.get("preset", optimizers["preset"]),
+        return {"kind": kind, **common, "optimizer": old["optimizer"],
+                "preset": old.get("preset", optimizers["preset"]),
                 "precision": old.get("precision", optimizers["precision"]), "batch": run["batch"],
                 "context": run["context"], "world_size": old["world_size"]}
     if kind in ("fsdp", "fullstep"):

@@ -15,7 +15,6 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 

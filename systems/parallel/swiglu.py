@@ -11,8 +11,8 @@ network, so the backward does the handout's six matmuls. Each layout is our own 
 - dp: B/N rows, the whole layer, in `dtype`; DDPIndividualParameters (systems.parallel.ddp) all-reduces each
   weight's gradient as backward makes it.
 - fsdp: B/N rows; our FSDP (systems.parallel.fsdp, gather="layer": the handout's one collective per weight) with
-  fp32 shards (float64 to compute in float64) and `dtype` compute: each pass all-gathers w1, w3, w2 in `dtype`, the backward reduce-scatters their
-  gradients.
+  fp32 shards (float64 to compute in float64) and `dtype` compute: each pass all-gathers w1, w3, w2 in `dtype`,
+  the backward reduce-scatters their gradients.
 - tp: all B rows; w1, w3 column-parallel and w2 row-parallel (F/N of d_ff each) in `dtype`, bracketed by
   Megatron's f and g of systems.parallel.tensor: the forward all-reduces y's partial sums, the backward dx's.
 - torch-tp: the same split by torch (`parallelize_module`: ColwiseParallel w1, w3, RowwiseParallel w2, and

@@ -149,7 +149,8 @@ def fsdp_tables(run: Run) -> list[Table]:
         peak, predicted = m.peak_mb(), m.predicted_peak_mb
         table.rows.append(point_cells(r.point, keys) + phase_cells(m.phases, (*PHASES, "gather_wait"))
                           + [number(vs(run, r, Variant.SINGLE, 1)), number(m.throughput.tflops)]
-                          + [mb(peak), mb(predicted), "" if peak is None or not predicted else f"{peak / predicted:.2f}",
+                          + [mb(peak), mb(predicted),
+                             "" if peak is None or not predicted else f"{peak / predicted:.2f}",
                              mb(m.peak_gathered_mb)])
     table.rows += [point_cells(point, keys) + ["OOM"] + [""] * 11 for point in oom]
     return [table]
