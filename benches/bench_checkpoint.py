@@ -38,6 +38,9 @@ def pytest_generate_tests(metafunc):
             CheckpointPoint(preset, grid.edition, grid.batch_size, context, precision, grid.attention, scheme)
             for preset, precision in common for context in grid.contexts for scheme in grid.checkpoint], ids=str)
     if "search" in metafunc.fixturenames:
+        if grid.max_context < grid.contexts[0]:
+            raise pytest.UsageError(f"--max-context {grid.max_context} is below the first of --contexts "
+                                    f"({grid.contexts[0]}): the context search would run nothing")
         metafunc.parametrize("search", [
             ContextSearchPoint(preset, grid.edition, grid.batch_size, precision, grid.attention, scheme,
                                grid.contexts[0], grid.max_context)

@@ -61,8 +61,6 @@ def test_grid(request):
     ("--bucket-sizes-mb=1,nan", "--bucket-sizes-mb: nan is not positive"),
     ("--contexts=,", "--contexts: no values given"),
     ("--contexts=128,12x", "--contexts: '12x' is not a valid int"),
-    ("--max-context=16", "--max-context 16 is below the first of --contexts (128): the context search would run "
-                         "nothing"),
 ])
 def test_a_bad_grid_option_is_a_usage_error_at_start_up(inner_pytest, option, message):
     inner_pytest.makepyfile(test_nothing=NOTHING)
@@ -96,6 +94,8 @@ def test_options_become_their_levers_in_one_typed_grid(inner_pytest):
     ("bench_allreduce.py", ["--world-sizes=1"], "--world-sizes select no point of test_allreduce"),
     ("bench_ddp.py", ["--world-sizes=1", "-k", "optimizer"], "--world-sizes select no point of "
                                                               "test_optimizer_memory"),
+    ("bench_checkpoint.py", ["--max-context=16"], "--max-context 16 is below the first of --contexts (128): the "
+                                                  "context search would run nothing"),
 ])
 def test_a_grid_that_selects_no_point_of_a_bench_is_an_error_naming_the_options(inner_pytest, bench, options,
                                                                                message):
@@ -104,6 +104,14 @@ def test_a_grid_that_selects_no_point_of_a_bench_is_an_error_naming_the_options(
                                             "-p", "no:cacheprovider", "-o", "python_files=bench_*.py")
     assert ran.ret != pytest.ExitCode.OK
     assert message in ran.stdout.str() + ran.stderr.str()
+
+
+def test_an_option_of_one_bench_does_not_stop_another(inner_pytest):
+    """The context search's bound is bench_checkpoint's: bench_layouts at a longer context collects."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ran = inner_pytest.runpytest_inprocess(os.path.join(root, "benches", "bench_layouts.py"), "--contexts=512",
+                                            "--collect-only", "-p", "no:cacheprovider", "-o", "python_files=bench_*.py")
+    assert ran.ret == pytest.ExitCode.OK, ran.stdout.str() + ran.stderr.str()
 
 
 @pytest.mark.skipif(not any(ep.name == "systems.bench.plugin" for ep in entry_points(group="pytest11")),

@@ -266,9 +266,6 @@ def configure_grid(config) -> Grid:
             if name not in presets:
                 raise pytest.UsageError(f"{OPTIONS[dest].flag}: no preset {name!r} in the {values['edition']} "
                                         f"edition; choose from {', '.join(presets)} (--edition chooses the table)")
-    if values["max_context"] < values["contexts"][0]:
-        raise pytest.UsageError(f"--max-context {values['max_context']} is below the first of --contexts "
-                                f"({values['contexts'][0]}): the context search would run nothing")
     grid = config.stash[GRID] = Grid(values)
     return grid
 
