@@ -9,15 +9,18 @@ float64 reference sees what the kernels see; sizes are odd (widths not a power o
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from test_attention import PLAIN_ERROR_MULTIPLE
 from test_loss import check, inputs, reference
 from systems.loss import chunked_cross_entropy
-from systems.model import RMSNorm, RotaryEmbedding
+from systems.model import Fused, RMSNorm, RotaryEmbedding, TransformerLM, get_config
+from systems.step import random_batch
 
 kernels = pytest.importorskip("systems.kernels", reason="needs Triton")
 
@@ -256,3 +259,37 @@ def test_fused_loss_holds_one_chunk_of_logits_in_the_compute_dtype():
     per_token = 4 * 4 * tokens  # log-sum-exp and loss, and the chunks' (no more than the tokens)
     assert forward_peak(fused=True) <= chunk_logits + per_token
     assert forward_peak(fused=False) >= 2 * 2 * chunk_logits  # fp32 logits and exponentials at once
+
+
+# A model as small as the kernels' tests: heads of 8 features (4 pairs), a SwiGLU width and a vocabulary that are
+# not powers of two, chunks of the loss that leave a shorter last one.
+SMALL = get_config("tiny", d_model=32, num_heads=4, d_ff=88, vocab_size=101, num_layers=2, context_length=16,
+                   loss_chunk=7)
+
+
+def loss_and_grads(model, tokens, targets) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss = model(tokens, targets)
+    loss.backward()
+    return [loss.detach(), *(p.grad for p in model.parameters())]
+
+
+@pytest.mark.parametrize("fused", [fused for fused in Fused if fused != Fused.NONE], ids=str)
+def test_the_fused_model_matches_the_eager_one(fused):
+    """Each lever's model against the eager model in float64, by the norm of each gradient's error: at most
+    PLAIN_ERROR_MULTIPLE times the eager fp32 model's (the same function, other orders of the same fp32 sums, as
+    tests/test_attention.py allows), plus one fp32 rounding of every value (for a gradient eager happens to
+    round less). A fused op wired wrongly (the other norm's weight, k left unrotated, the loss without its
+    chunks) is off by far more."""
+    eager = TransformerLM(SMALL).to(DEVICE)
+    model = TransformerLM(dataclasses.replace(SMALL, fused=fused)).to(DEVICE)
+    model.load_state_dict(eager.state_dict())
+    reference = TransformerLM(SMALL).to(DEVICE).double()
+    reference.load_state_dict(eager.state_dict())
+    tokens, targets = random_batch(SMALL, 2, 9, DEVICE)
+    expected = loss_and_grads(reference, tokens, targets)
+    plain, actual = loss_and_grads(eager, tokens, targets), loss_and_grads(model, tokens, targets)
+    for index, (value, plain_value, exact) in enumerate(zip(actual, plain, expected, strict=True)):
+        error, plain_error = (torch.linalg.vector_norm(t.double() - exact).item() for t in (value, plain_value))
+        allowed = PLAIN_ERROR_MULTIPLE * plain_error + U32 * torch.linalg.vector_norm(exact).item()
+        assert error <= allowed, f"tensor {index}: error {error:.2e} exceeds {allowed:.2e}"
