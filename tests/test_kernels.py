@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from test_attention import PLAIN_ERROR_MULTIPLE
+from plain_error import check_near_plain
 from test_loss import check, inputs, reference
 from systems.loss import chunked_cross_entropy
 from systems.model import Fused, RMSNorm, RotaryEmbedding, TransformerLM, get_config
@@ -274,22 +274,26 @@ def loss_and_grads(model, tokens, targets) -> list[torch.Tensor]:
     return [loss.detach(), *(p.grad for p in model.parameters())]
 
 
-@pytest.mark.parametrize("fused", [fused for fused in Fused if fused != Fused.NONE], ids=str)
-def test_the_fused_model_matches_the_eager_one(fused):
-    """Each lever's model against the eager model in float64, by the norm of each gradient's error: at most
-    PLAIN_ERROR_MULTIPLE times the eager fp32 model's (the same function, other orders of the same fp32 sums, as
-    tests/test_attention.py allows), plus one fp32 rounding of every value (for a gradient eager happens to
-    round less). A fused op wired wrongly (the other norm's weight, k left unrotated, the loss without its
+def test_the_fused_model_matches_the_eager_one():
+    """Every kernel's model against the eager model in float64, within tests/plain_error.py's rule of the eager
+    fp32 model's error. A fused op wired wrongly (the other norm's weight, k left unrotated, the loss without its
     chunks) is off by far more."""
     eager = TransformerLM(SMALL).to(DEVICE)
-    model = TransformerLM(dataclasses.replace(SMALL, fused=fused)).to(DEVICE)
+    model = TransformerLM(dataclasses.replace(SMALL, fused=Fused.ALL)).to(DEVICE)
     model.load_state_dict(eager.state_dict())
     reference = TransformerLM(SMALL).to(DEVICE).double()
     reference.load_state_dict(eager.state_dict())
     tokens, targets = random_batch(SMALL, 2, 9, DEVICE)
-    expected = loss_and_grads(reference, tokens, targets)
-    plain, actual = loss_and_grads(eager, tokens, targets), loss_and_grads(model, tokens, targets)
-    for index, (value, plain_value, exact) in enumerate(zip(actual, plain, expected, strict=True)):
-        error, plain_error = (torch.linalg.vector_norm(t.double() - exact).item() for t in (value, plain_value))
-        allowed = PLAIN_ERROR_MULTIPLE * plain_error + U32 * torch.linalg.vector_norm(exact).item()
-        assert error <= allowed, f"tensor {index}: error {error:.2e} exceeds {allowed:.2e}"
+    check_near_plain(loss_and_grads(model, tokens, targets), loss_and_grads(eager, tokens, targets),
+                     loss_and_grads(reference, tokens, targets))
+
+
+@pytest.mark.parametrize("fused", list(Fused), ids=str)
+def test_each_lever_fuses_its_ops_only(fused):
+    """`fused` names the modules that run a kernel: all of them, none, or one kind."""
+    model = TransformerLM(dataclasses.replace(SMALL, fused=fused))
+    block = model.blocks[0]
+    running = {"rmsnorm": [block.attn_norm.fused, block.ffn_norm.fused, model.final_norm.fused],
+               "rope": [block.attn.fused_rope], "swiglu": [block.ffn.fused], "loss": [model.lm_head.fused]}
+    for op, flags in running.items():
+        assert flags == [fused in (Fused.ALL, Fused(op))] * len(flags), op

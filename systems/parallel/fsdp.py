@@ -38,7 +38,8 @@ the replicated parameters' gradients over the shard group, then over the replica
 every rank.
 
 Every rank must run the same sharded modules in the same order (as with torch's FSDP): the gathers are
-collectives. Autocast makes its own low-precision copy of an fp32 weight, which autograd then keeps; give
+collectives. Inside blocks compiled by torch.compile (TransformerConfig.compile) the hooks run eagerly, each a
+graph break between the block's graphs, the same every step (tests/test_compile.py). Autocast makes its own low-precision copy of an fp32 weight, which autograd then keeps; give
 `compute_dtype` instead, and the gathered weight is already in it. `gathered` (bytes of gathered weights
 alive, and their peak) and `gather_wait` (the time the compute stream waited on all-gathers,
 systems.parallel.collectives.WaitClock) are what the benchmark measures.
@@ -226,8 +227,10 @@ class FSDP(nn.Module):
             if compute_dtype is not None:  # its bias, say: cast while the module runs, as its weight is gathered
                 self._cast[submodule] = {name: p for name, p in submodule._parameters.items()
                                          if p is not None and p.is_floating_point()}
-            submodule.register_forward_pre_hook(self._before)
-            submodule.register_forward_hook(self._after)
+            # Run eagerly inside a compiled block (TransformerConfig.compile): gathers, their waits and bookkeeping
+            # are Python Dynamo cannot trace. Each is one graph break, the same every step.
+            submodule.register_forward_pre_hook(torch.compiler.disable(self._before))
+            submodule.register_forward_hook(torch.compiler.disable(self._after))
         self.units = list(units.values())
         self.groups = _groups(module, self.units, gather)
         self.shards = nn.ParameterList(unit.shard for unit in self.units)  # first in parameters()
