@@ -11,12 +11,15 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from memory_probes import saved_tensor_bytes, training_peaks
+from spawned_ranks import results_by_rank
 from test_checkpointing import BLOCK_BOUND, CPU, loss_and_grads
 from systems.accounting import (Checkpointing, activation_memory, checkpoint_levels, checkpointed, kept_weight_copies,
                                 nested_checkpoint, peak_memory, recomputed_flops)
 from systems.accounting.checkpointing import held_in_backward
 from systems.loss import cross_entropy
 from systems.model import Fused, TransformerConfig, TransformerLM, get_config
+from systems.parallel.fsdp import FSDP
+from systems.parallel.ranks import rank_device
 from systems.precision import PRECISIONS
 from systems.recompute import Saves
 from systems.step import make_model, random_batch
@@ -71,6 +74,50 @@ def test_the_fused_kernels_recompute_exactly():
     checkpointed_loss, checkpointed_grads = loss_and_grads(model, tokens, targets, PRECISIONS["fp32"])
     assert torch.equal(checkpointed_loss, loss)
     assert all(torch.equal(a, b) for a, b in zip(checkpointed_grads, grads, strict=True))
+
+
+# Under our FSDP: every collective's layer and the block's at once, prefetching deeper than a block, in fp32 and in
+# bf16 compute.
+FSDP_RUNS = {"ops-block-prefetch2-fp32": ("ops", "block", 2, None),
+             "ops-block-bf16": ("ops", "block", 1, torch.bfloat16),
+             "attn-keep1-layer-prefetch5-fp32": ("attn-keep1", "layer", 5, None)}
+
+
+def sharded_steps(scheme: str, gather: str, prefetch: int, compute_dtype) -> list:
+    """Three steps' losses and gradients (no optimizer) of this rank's FSDP model under `scheme`."""
+    torch.manual_seed(0)
+    config = scheme_config(get_config("leaderboard-2026-tiny", context_length=32, loss_chunk=10), scheme, 2, 24)
+    with torch.device(rank_device()):
+        wrapped = FSDP(TransformerLM(config), compute_dtype=compute_dtype, gather=gather, prefetch=prefetch)
+    data = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+    steps = []
+    for _ in range(3):
+        batch = torch.randint(config.vocab_size, (2, 25), generator=data).to(rank_device())
+        loss = wrapped(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        wrapped.finish_gradient_synchronization()
+        steps.append([loss.detach().cpu(), *(p.grad.cpu() for p in wrapped.parameters())])
+        wrapped.zero_grad(set_to_none=True)
+    return steps
+
+
+def sharded_runs() -> dict:
+    return {name: (sharded_steps(scheme, *levers), sharded_steps("none", *levers))
+            for name, (scheme, *levers) in FSDP_RUNS.items()}
+
+
+sharded = results_by_rank("sharded", sharded_runs, gloo_world_sizes=(2,), timeout=600)
+
+
+@pytest.mark.parametrize("run", FSDP_RUNS)
+def test_fsdp_steps_match_without_checkpointing(sharded, run):
+    """Exactly, step after step: FSDP's gathers run out of sight of selective checkpointing's dispatch modes, which
+    would otherwise count them among the block's ops, and the second step's forward gathers ahead of the block
+    where its recomputation does not."""
+    for rank in sharded:
+        selective, plain = rank[run]
+        for step, (actual, expected) in enumerate(zip(selective, plain, strict=True)):
+            assert all(map(torch.equal, actual, expected)), f"step {step}"
 
 
 @pytest.mark.parametrize("scheme, recomputed", [("every1-keep2", {0, 1, 2}), ("ops-keep1", {0, 1, 2, 3})])
