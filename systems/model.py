@@ -10,7 +10,6 @@ compiled by `compile`.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -20,11 +19,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from systems import attention
+from systems.choices import Choice
 from systems.loss import LMHead, check_chunk
 from systems.recompute import Saves, run_blocks
 
 
-class Attention(enum.StrEnum):
+class Attention(Choice, lever="attention backend"):
     """The systems.attention.BACKENDS a config may name: causal self-attention whose saved tensors
     systems.accounting models. Written out (naive), torch's SDPA, or our FlashAttention-2 (flash)."""
 
@@ -32,12 +32,8 @@ class Attention(enum.StrEnum):
     SDPA = "sdpa"
     FLASH = "flash"
 
-    @classmethod
-    def _missing_(cls, value):
-        raise ValueError(f"unknown attention backend {value!r}; choose from {', '.join(cls)}")
 
-
-class Fused(enum.StrEnum):
+class Fused(Choice, lever="fused"):
     """Which of systems.kernels' fused Triton kernels the model runs in place of eager ops: none, all, or one of
     them (to measure what each is worth): RMSNorm, RoPE of q and k, SwiGLU's silu(a) * b, and the loss's softmax
     over vocab tiles (the LM head's matmuls stay torch's, in chunks of `loss_chunk` tokens, or one chunk)."""
@@ -48,10 +44,6 @@ class Fused(enum.StrEnum):
     ROPE = "rope"
     SWIGLU = "swiglu"
     LOSS = "loss"
-
-    @classmethod
-    def _missing_(cls, value):
-        raise ValueError(f"unknown fused {value!r}; choose from {', '.join(cls)}")
 
     def fuses(self, op: Fused) -> bool:
         return self in (Fused.ALL, op)

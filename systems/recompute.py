@@ -13,27 +13,23 @@ elementwise ops (norms, RoPE, SiLU, residual adds, casts). systems.accounting mo
 from __future__ import annotations
 
 import contextlib
-import enum
 import functools
 
 import torch
 import torch.nn as nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from systems.choices import Choice
 from systems.device import nvtx_range
 
 
-class Saves(enum.StrEnum):
+class Saves(Choice, lever="checkpoint_saves"):
     """What a checkpointed segment keeps for its backward: its input only; also its attention kernel's outputs
     (output and log-sum-exp); also every matmul's output. Beyond inputs, segments are single blocks."""
 
     INPUTS = "inputs"
     ATTENTION = "attention"
     MATMULS = "matmuls"
-
-    @classmethod
-    def _missing_(cls, value):
-        raise ValueError(f"unknown checkpoint_saves {value!r}; choose from {', '.join(cls)}")
 
 
 aten = torch.ops.aten

@@ -12,7 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from memory_probes import saved_tensor_bytes, training_peaks
 from spawned_ranks import results_by_rank
-from test_checkpointing import BLOCK_BOUND, CPU, loss_and_grads
+from test_checkpointing import BLOCK_BOUND, CPU, linear_calls, loss_and_grads
 from systems.accounting import (Checkpointing, activation_memory, checkpoint_levels, checkpointed, kept_weight_copies,
                                 nested_checkpoint, peak_memory, recomputed_flops)
 from systems.accounting.checkpointing import held_in_backward
@@ -125,15 +125,7 @@ def test_recomputation_runs_the_hooks_of_the_checkpointed_blocks_only(scheme, re
     """A sharded layer all-gathers its weight in a forward pre-hook: a recomputed block runs it again (also where
     op-level selection takes the matmul's output from the forward: autograd's node still saves the weight); a block
     left out runs it once."""
-    config = get_config("tiny", num_layers=5)
-    model = TransformerLM(config)
-    model.config = scheme_config(config, scheme)
-    calls = {name: 0 for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
-    for name, module in model.named_modules():
-        if name in calls:
-            module.register_forward_pre_hook(lambda module, args, name=name: calls.__setitem__(name, calls[name] + 1))
-    tokens, targets = random_batch(config, 2, 16, CPU)
-    cross_entropy(model(tokens), targets).backward()
+    calls = linear_calls(TransformerLM(scheme_config(get_config("tiny", num_layers=5), scheme)))
     block_of = {name: int(name.split(".")[1]) for name in calls if name.startswith("blocks.")}
     assert calls == {name: 2 if block_of.get(name) in recomputed else 1 for name in calls}
 
