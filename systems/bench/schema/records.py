@@ -18,7 +18,9 @@ import typing
 from systems.accounting.checkpointing import Checkpointing
 from systems.precision import Precision, get_precision
 
-SCHEMA = 2  # the version of the histories this code writes and reads
+# The version of the histories this code writes and reads; 3 added the fused kernels and regional compilation to the
+# full-step and checkpointing points (systems.bench.migrate fills them in older histories).
+SCHEMA = 3
 
 
 class SchemaError(ValueError):
