@@ -50,7 +50,7 @@ def one_more_step(model, step) -> dict:
 
 def one_process(spec: TrainSpec, world_size: int, device: torch.device) -> dict:
     """The same steps without FSDP or checkpointing: per-rank micro-batch gradients, summed in rank order, halved."""
-    config = dataclasses.replace(spec.config(), checkpoint=())
+    config = dataclasses.replace(spec.config(), checkpoint=(), checkpoint_keep=0, checkpoint_saves="inputs")
     torch.manual_seed(spec.seed)  # rank 0's, which FSDP broadcasts
     model = make_model(config, device, spec.precision)
     params = list(model.parameters())
@@ -99,9 +99,9 @@ def test_levers_on_train_exactly_like_one_process(replicas, name):
 @pytest.mark.parametrize("name", SPECS)
 def test_the_backward_recomputes_the_checkpointed_blocks(replicas, name):
     config = SPECS[name].config()
-    layers = config.num_layers
-    blocks, _ = recomputed_blocks(layers, config.checkpoint)
-    assert blocks >= layers
+    layers, checkpointed = config.num_layers, config.num_layers - config.checkpoint_keep
+    blocks, _ = recomputed_blocks(checkpointed, config.checkpoint)
+    assert blocks >= checkpointed
     assert all(result[name]["block_calls"] == layers + blocks for result in replicas)
 
 
