@@ -2,7 +2,8 @@
 which a preset trains.
 
 The grid comes from the command line (systems.bench.options): --presets, --edition, --contexts, --precisions,
---batch-size, --attention, --checkpoint (none, everyK, KxK, nested), --max-context, --warmup-steps, --rounds.
+--batch-size, --attention, --checkpoint (none, everyK, KxK, nested, attn, ops; -keepN), --fused, --compile-blocks,
+--max-context, --warmup-steps, --rounds.
 Each step point measures (systems.bench.schema.CheckpointMeasured) its segment sizes, the measured peak beside
 the accounting's prediction, and activation memory (the peak less what the step holds before it starts:
 weights, buffers and AdamW state), measured and predicted. A point that runs out of memory is recorded as such.
@@ -10,13 +11,12 @@ weights, buffers and AdamW state), measured and predicted. A point that runs out
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 
 import pytest
 import torch
 
-from systems.accounting import checkpoint_levels, flops, largest_context, model_state, peak_memory, recomputed_flops
+from systems.accounting import checkpointed, flops, largest_context, model_state, peak_memory, recomputed_flops
 from systems.bench.options import grid_of
 from systems.bench.schema import CheckpointMeasured, CheckpointPoint, ContextSearchMeasured, ContextSearchPoint
 from systems.bench.schema.records import to_record
@@ -35,8 +35,10 @@ def pytest_generate_tests(metafunc):
     common = [(preset, precision) for preset in grid.presets for precision in grid.precisions]
     if "point" in metafunc.fixturenames:
         metafunc.parametrize("point", [
-            CheckpointPoint(preset, grid.edition, grid.batch_size, context, precision, grid.attention, scheme)
-            for preset, precision in common for context in grid.contexts for scheme in grid.checkpoint], ids=str)
+            CheckpointPoint(preset, grid.edition, grid.batch_size, context, precision, grid.attention, scheme, fused,
+                            compile)
+            for preset, precision in common for context in grid.contexts for scheme in grid.checkpoint
+            for fused in grid.fused for compile in grid.compile_blocks], ids=str)
     if "search" in metafunc.fixturenames:
         if grid.max_context < grid.contexts[0]:
             raise pytest.UsageError(f"--max-context {grid.max_context} is below the first of --contexts "
@@ -58,9 +60,9 @@ def _free_memory():
 
 
 def point_config(point: CheckpointPoint | ContextSearchPoint, context: int, device: torch.device) -> TransformerConfig:
-    config = get_config(point.preset, point.edition, attention=point.attention, context_length=context)
-    levels = checkpoint_levels(point.scheme, config, point.batch, context, point.precision, device=device.type)
-    return dataclasses.replace(config, checkpoint=levels)
+    levers = dict(fused=point.fused, compile=point.compile) if isinstance(point, CheckpointPoint) else {}
+    config = get_config(point.preset, point.edition, attention=point.attention, context_length=context, **levers)
+    return checkpointed(point.scheme, config, point.batch, context, point.precision, device=device.type)
 
 
 def measure_steps(benchmark, config: TransformerConfig, batch: int, precision: Precision, device,
@@ -85,7 +87,7 @@ def memory_measured(config: TransformerConfig, batch: int, precision: Precision,
         levels=config.checkpoint, parameters=parameters, state_mb=state, predicted_peak_mb=predicted,
         predicted_activation_mb=predicted - state, peak_memory_mb=peak,
         activation_mb=None if peak is None else peak - state,
-        recomputed_tflop=recomputed_flops(config, batch, config.context_length).forward / 1e12,
+        recomputed_tflop=recomputed_flops(config, batch, config.context_length, device=device.type).forward / 1e12,
         tokens_per_s=None if seconds is None else batch * config.context_length / seconds,
         throughput=None if seconds is None else throughput(seconds=seconds, flops=step_flops, device=device,
                                                            precision=precision),

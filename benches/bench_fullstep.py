@@ -8,9 +8,11 @@ The issue's point on 2 x H200 (one sequence per GPU, batch 2 in all):
 
 The CPU default is the same shape made tiny (`leaderboard-2026-tiny`, context 128) on 2 gloo ranks, so CI runs
 the code path in seconds. Levers: --fullstep-variants (default our FSDP, whose optimizer is systems AdamW, fused
-on CUDA; `fsdp,fsdp2` times torch's FSDP2 beside it in turns), --checkpoint (none, everyK, KxK, nested),
---loss-chunk (tokens at a time, or full), --attention (naive, sdpa, flash), and our FSDP's --fsdp-gather and
---fsdp-prefetch.
+on CUDA; `fsdp,fsdp2` times torch's FSDP2 beside it in turns), --checkpoint (none, everyK, KxK, nested, attn, ops;
+-keepN), --loss-chunk (tokens at a time, or full), --attention (naive, sdpa, flash), --fused (the model's Triton
+kernels), --compile-blocks (regional torch.compile), and our FSDP's --fsdp-gather and --fsdp-prefetch.
+docs/fusion-and-checkpointing.md has the commands that measure the kernels, compilation and selective
+checkpointing on the leaderboard's step.
 
 Each point trains through systems.parallel.train.train in spawned ranks (systems.bench.training):
 pytest-benchmark's rounds are its timed steps, as long as their slowest rank. On a GPU each rank then times
@@ -52,13 +54,15 @@ DO_BENCH_WARMUP, DO_BENCH_REPEATS = 1, 3
 def fullstep_grid(grid) -> list[FullStepPoint]:
     """Per shape and lever, every variant in turn (ours beside torch's FSDP2, say), our FSDP at each of its levers."""
     points = []
-    for precision, context, checkpoint, world_size, variant in itertools.product(
-            grid.precisions, grid.contexts, grid.checkpoint, grid.world_sizes, grid.fullstep_variants):
+    for precision, context, checkpoint, fused, compile, world_size, variant in itertools.product(
+            grid.precisions, grid.contexts, grid.checkpoint, grid.fused, grid.compile_blocks, grid.world_sizes,
+            grid.fullstep_variants):
         ours = itertools.product(grid.fsdp_gather, grid.fsdp_prefetch) if variant == Variant.FSDP else [(None, None)]
         points += [FullStepPoint(grid.fullstep_preset, grid.edition, precision, grid.batch_size, context,
                                  1 if variant == Variant.SINGLE else world_size, variant=variant,
                                  attention=grid.attention, checkpoint=checkpoint, loss_chunk=grid.loss_chunk,
-                                 gather=gather, prefetch=prefetch) for gather, prefetch in ours]
+                                 gather=gather, prefetch=prefetch, fused=fused, compile=compile)
+                   for gather, prefetch in ours]
     return list(dict.fromkeys(points))  # one process once, whatever the world sizes
 
 
@@ -97,7 +101,8 @@ def spec_of(point: FullStepPoint, grid) -> TrainSpec:
     levers = {} if point.variant != Variant.FSDP else dict(fsdp_prefetch=point.prefetch, fsdp_gather=point.gather)
     return spec_for(grid, preset=point.preset, edition=point.edition, variant=point.variant,
                     precision=point.precision, batch_size=point.batch, context=point.context,
-                    attention=point.attention, checkpoint=point.checkpoint, loss_chunk=point.loss_chunk, **levers)
+                    attention=point.attention, checkpoint=point.checkpoint, loss_chunk=point.loss_chunk,
+                    fused=point.fused, compile=point.compile, **levers)
 
 
 def test_fullstep(benchmark, fullstep_point, rank_pools, grid, device, skip_on_oom):
@@ -119,5 +124,5 @@ def test_fullstep(benchmark, fullstep_point, rank_pools, grid, device, skip_on_o
         peak_gathered_mb=gathered_mb(ranks), breakdown_per_rank=breakdowns(ranks), do_bench_s=do_bench,
         cold_start_s=cold_start,
         step_pflop=point.world_size * model.flash_step / 1e15,
-        recomputed_tflop=recomputed_flops(config, point.batch, point.context).forward / 1e12,
+        recomputed_tflop=recomputed_flops(config, point.batch, point.context, device=device.type).forward / 1e12,
         peak_memory_mb_per_rank=peaks))

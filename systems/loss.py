@@ -6,7 +6,10 @@ targets, chunk)` is the LM head and the loss in one: it makes the logits of `chu
 none of them. The backward makes each chunk's logits again from what the forward saved (the hidden states,
 the weight and each row's log-sum-exp), so a step holds one chunk's logits instead of all of them: at a long
 context these are the largest tensors of the step (vocab / d_model times the residual stream). The matmuls run
-in the compute dtype (autocast's, else the hidden states'); the softmax is fp32 whatever that is.
+in the compute dtype (autocast's, else the hidden states'); the softmax is fp32 whatever that is. With `fused`,
+the softmax, log-sum-exp and gradient of each chunk are Triton kernels over vocab tiles (systems.kernels) that read
+the matmul's logits in the compute dtype and write the gradient over them, where eager PyTorch makes several fp32
+copies of the chunk's logits; the matmuls stay torch's.
 
 `LMHead` is a Linear whose forward takes the targets too and then returns the loss, so the loss runs inside one
 call of the head module: a wrapper that gathers the weight around that call (systems.parallel.fsdp) has it
@@ -32,9 +35,10 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return (log_norm - target_logit).mean()
 
 
-def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                          chunk: int) -> torch.Tensor:
-    """cross_entropy(hidden @ weight.T, targets), `chunk` tokens at a time, never holding more logits than those.
+def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk: int,
+                          fused: bool = False) -> torch.Tensor:
+    """cross_entropy(hidden @ weight.T, targets), `chunk` tokens at a time, never holding more logits than those;
+    with `fused`, each chunk's softmax in Triton kernels.
 
     hidden: (..., d_model), weight: (vocab, d_model), targets: (...)."""
     _check_targets(targets, hidden.shape[:-1], "hidden states")
@@ -45,22 +49,22 @@ def chunked_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: t
     device = hidden.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
     with torch.autocast(device, enabled=False):  # the casts are explicit, the same in the backward
-        return _ChunkedCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(), chunk, dtype)
+        softmax = _FusedSoftmax if fused else _EagerSoftmax
+        return _ChunkedCrossEntropy.apply(hidden.flatten(0, -2), weight, targets.flatten(), chunk, dtype, softmax)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, chunk, dtype):
+    def forward(ctx, hidden, weight, targets, chunk, dtype, softmax):
         # hidden: (tokens, d_model), targets: (tokens,)
         log_norm = hidden.new_empty(len(targets), dtype=torch.float32)
         losses = torch.empty_like(log_norm)
         cast = weight.to(dtype)
         for rows in _chunks(len(targets), chunk):
-            logits = _logits(hidden[rows], cast)  # (chunk, vocab) fp32
-            log_norm[rows] = torch.logsumexp(logits, dim=-1)
-            losses[rows] = log_norm[rows] - logits.gather(-1, targets[rows, None]).squeeze(-1)
+            logits = softmax.logits(hidden[rows], cast)  # (chunk, vocab)
+            log_norm[rows], losses[rows] = softmax.rows(logits, targets[rows])
         ctx.save_for_backward(hidden, weight, targets, log_norm)
-        ctx.chunk, ctx.dtype = chunk, dtype
+        ctx.chunk, ctx.dtype, ctx.softmax = chunk, dtype, softmax
         return losses.mean()
 
     @staticmethod
@@ -72,19 +76,59 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         cast = weight.to(ctx.dtype)
         for rows in _chunks(len(targets), ctx.chunk):
             with nvtx_range("loss_recompute"):
-                logits = _logits(hidden[rows], cast)
-            # d(loss of a row) / d(its logits) = softmax - one-hot of its target
-            probs = logits.sub_(log_norm[rows, None]).exp_()
-            probs[torch.arange(len(probs), device=probs.device), targets[rows]] -= 1
-            grad_logits = probs.mul_(scale).to(ctx.dtype)
+                logits = ctx.softmax.logits(hidden[rows], cast)
+            grad_logits = ctx.softmax.gradients_(logits, targets[rows], log_norm[rows], scale).to(ctx.dtype)
             grad_hidden[rows] = grad_logits @ cast
             grad_weight.add_(grad_logits.T @ hidden[rows].to(ctx.dtype))
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None
+        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """(rows, vocab) fp32 logits of the rows, the matmul in the weight's dtype."""
-    return (hidden.to(weight.dtype) @ weight.T).float()
+    """(rows, vocab) logits of the rows, the matmul in the weight's dtype."""
+    return hidden.to(weight.dtype) @ weight.T
+
+
+class _EagerSoftmax:
+    """A chunk's softmax in PyTorch ops, on an fp32 copy of its logits (the matmul's output freed at once)."""
+
+    @staticmethod
+    def logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return _logits(hidden, weight).float()
+
+    @staticmethod
+    def rows(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's log-sum-exp and loss."""
+        log_norm = torch.logsumexp(logits, dim=-1)
+        return log_norm, log_norm - logits.gather(-1, targets[:, None]).squeeze(-1)
+
+    @staticmethod
+    def gradients_(logits: torch.Tensor, targets: torch.Tensor, log_norm: torch.Tensor,
+                   scale: torch.Tensor) -> torch.Tensor:
+        """`scale` (d(loss) / tokens) times d(the rows' losses) / d(their logits), written over the logits."""
+        # d(loss of a row) / d(its logits) = softmax - one-hot of its target
+        probs = logits.sub_(log_norm[:, None]).exp_()
+        probs[torch.arange(len(probs), device=probs.device), targets] -= 1
+        return probs.mul_(scale)
+
+
+class _FusedSoftmax:
+    """A chunk's softmax in systems.kernels' Triton kernels, on its logits as the matmul made them."""
+
+    logits = staticmethod(_logits)
+
+    @staticmethod
+    def rows(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from systems.kernels import cross_entropy_rows  # Triton on first use: this module imports without it
+
+        return cross_entropy_rows(logits, targets)
+
+    @staticmethod
+    def gradients_(logits: torch.Tensor, targets: torch.Tensor, log_norm: torch.Tensor,
+                   scale: torch.Tensor) -> torch.Tensor:
+        from systems.kernels import logit_gradients_
+
+        logit_gradients_(logits, targets, log_norm, scale)
+        return logits
 
 
 def _chunks(tokens: int, chunk: int):
@@ -116,16 +160,20 @@ def _check_targets(targets: torch.Tensor, rows: torch.Size, labelled: str) -> No
 
 class LMHead(nn.Linear):
     """The LM head: forward(hidden) -> logits (..., vocab); forward(hidden, targets, chunk) -> the mean
-    cross-entropy, whole (chunk None) or `chunk` tokens at a time."""
+    cross-entropy, whole (chunk None) or `chunk` tokens at a time. `fused`: the loss's softmax in Triton kernels
+    (chunked_cross_entropy's), in chunks of `chunk` tokens or one chunk of them all."""
 
-    def __init__(self, d_model: int, vocab_size: int):
+    def __init__(self, d_model: int, vocab_size: int, fused: bool = False):
         super().__init__(d_model, vocab_size, bias=False)
+        self.fused = fused
 
     def forward(self, hidden: torch.Tensor, targets: torch.Tensor | None = None,
                 chunk: int | None = None) -> torch.Tensor:
         if targets is None:
             return super().forward(hidden)
         with nvtx_range("loss"):
+            if self.fused:
+                return chunked_cross_entropy(hidden, self.weight, targets, chunk or max(1, targets.numel()), fused=True)
             if chunk is None:
                 return cross_entropy(super().forward(hidden), targets)
             return chunked_cross_entropy(hidden, self.weight, targets, chunk)

@@ -1,13 +1,14 @@
 """A GPT-style Transformer LM with the CS336 architecture and size presets, by edition of the course.
 
 Token embedding, N pre-norm blocks (RMSNorm, causal multi-head attention with RoPE, SwiGLU),
-a final RMSNorm and an untied LM head; no biases. Attention is chosen by name, and which blocks the
-backward recomputes (activation checkpointing) by `TransformerConfig.checkpoint`.
+a final RMSNorm and an untied LM head; no biases. Attention is chosen by name; which blocks the backward
+recomputes (activation checkpointing, systems.recompute) by `TransformerConfig.checkpoint` and its companions;
+which elementwise ops run as fused Triton kernels (systems.kernels) by `fused`; and whether each block runs
+compiled by `compile`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 from dataclasses import dataclass
@@ -16,12 +17,11 @@ from types import MappingProxyType
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.utils.checkpoint import checkpoint
 
 from systems import attention
 from systems.choice import Choice
-from systems.device import nvtx_range
 from systems.loss import LMHead, check_chunk
+from systems.recompute import Saves, run_blocks
 
 
 class Attention(Choice):
@@ -35,6 +35,22 @@ class Attention(Choice):
     @classmethod
     def noun(cls) -> str:
         return "attention backend"
+
+
+class Fused(Choice):
+    """Which of systems.kernels' fused Triton kernels the model runs in place of eager ops: none, all, or one of
+    them (to measure what each is worth): RMSNorm, RoPE of q and k, SwiGLU's silu(a) * b, and the loss's softmax
+    over vocab tiles (the LM head's matmuls stay torch's, in chunks of `loss_chunk` tokens, or one chunk)."""
+
+    NONE = "none"
+    ALL = "all"
+    RMSNORM = "rmsnorm"
+    ROPE = "rope"
+    SWIGLU = "swiglu"
+    LOSS = "loss"
+
+    def fuses(self, op: Fused) -> bool:
+        return self in (Fused.ALL, op)
 
 
 _SIZE_FIELDS = ("d_model", "d_ff", "num_layers", "num_heads", "vocab_size", "context_length")
@@ -59,9 +75,19 @@ class TransformerConfig:
     # the inputs of its runs of k, recomputed once more. systems.accounting.nested_checkpoint picks the
     # two-level sizes with the least peak memory.
     checkpoint: tuple[int, ...] = ()
+    # Selective checkpointing (systems.recompute): the last `checkpoint_keep` blocks are left out of it and keep
+    # all their activations; with `checkpoint_saves` other than "inputs" every checkpointed block is a segment
+    # of its own that keeps its attention kernel's outputs ("attention"), or those and its matmuls' ("matmuls").
+    checkpoint_keep: int = 0
+    checkpoint_saves: Saves = Saves.INPUTS
     # The loss `TransformerLM(tokens, targets)` returns: None makes the whole logits; a number of tokens makes
     # that many tokens' logits at a time and keeps none (systems.loss.chunked_cross_entropy).
     loss_chunk: int | None = None
+    # Which elementwise ops run as fused Triton kernels (systems.kernels): on CUDA, or on a CPU under
+    # TRITON_INTERPRET=1.
+    fused: Fused = Fused.NONE
+    # Each block through torch.compile (regional: identical blocks share one graph), compiled at its first call.
+    compile: bool = False
 
     def __post_init__(self):
         for name in _SIZE_FIELDS:
@@ -74,9 +100,13 @@ class TransformerConfig:
             raise TypeError(f"rope_theta must be a float, got {self.rope_theta!r}")
         if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
             raise ValueError(f"rope_theta must be positive and finite, got {self.rope_theta}")
-        if not isinstance(self.check_ids, bool):
-            raise TypeError(f"check_ids must be a bool, got {self.check_ids!r}")
+        for name in ("check_ids", "compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         _check_checkpoint(self.checkpoint)
+        object.__setattr__(self, "checkpoint_saves", Saves(self.checkpoint_saves))
+        _check_selection(self.checkpoint, self.checkpoint_keep, self.checkpoint_saves, self.num_layers, self.compile)
+        object.__setattr__(self, "fused", Fused(self.fused))
         if self.loss_chunk is not None:
             check_chunk(self.loss_chunk, "loss_chunk")
         if self.d_model % self.num_heads:
@@ -95,6 +125,23 @@ def _check_checkpoint(levels) -> None:
         raise TypeError(f"checkpoint must be a tuple of ints (blocks per segment, outermost first), got {levels!r}")
     if any(k < 1 for k in levels) or any(inner >= outer for outer, inner in zip(levels, levels[1:])):
         raise ValueError(f"checkpoint segment sizes must be positive and shrink from level to level, got {levels}")
+
+
+def _check_selection(levels: tuple[int, ...], keep, saves: Saves, num_layers: int, compile: bool) -> None:
+    if not isinstance(keep, int) or isinstance(keep, bool):
+        raise TypeError(f"checkpoint_keep must be an int (blocks at the top left un-checkpointed), got {keep!r}")
+    if keep and not levels:
+        raise ValueError(f"checkpoint_keep={keep} leaves blocks out of a checkpointing that is not there: "
+                         "set checkpoint too")
+    if not 0 <= keep < num_layers:
+        raise ValueError(f"checkpoint_keep must leave at least one of the {num_layers} blocks checkpointed, "
+                         f"got {keep}")
+    if saves != Saves.INPUTS and levels != (1,):
+        raise ValueError(f"checkpoint_saves={str(saves)!r} selects ops within one-block segments: checkpoint must be "
+                         f"(1,), got {levels}")
+    if saves != Saves.INPUTS and compile:
+        raise ValueError(f"checkpoint_saves={str(saves)!r} cannot select ops inside a compiled block, which runs as "
+                         "one op: leave compile off, or save inputs only")
 
 
 # Presets outside the course's tables, the same in every edition.
@@ -152,12 +199,16 @@ def get_config(preset: str, edition: str = DEFAULT_EDITION, **overrides) -> Tran
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, d_model: int, eps: float = 1e-5):
+    def __init__(self, d_model: int, eps: float = 1e-5, fused: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.fused = eps, fused
         self.weight = nn.Parameter(torch.ones(d_model))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from systems.kernels import rms_norm  # Triton, on first use
+
+            return rms_norm(x, self.weight, self.eps)
         # Squares of bf16 activations lose too much precision: normalize in fp32.
         in_dtype = x.dtype
         x = x.float()
@@ -192,35 +243,48 @@ class CausalSelfAttention(nn.Module):
         self.out = nn.Linear(config.d_model, config.d_model, bias=False)
         self.rope = RotaryEmbedding(config.d_head, config.context_length, config.rope_theta)
         self.attend = attention.BACKENDS[config.attention]
+        self.fused_rope = config.fused.fuses(Fused.ROPE)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq, _ = x.shape
         # (batch, seq, 3 * d_model) -> 3 x (batch, heads, seq, d_head)
         # (d_head spelled out, not -1: a batch with no tokens has no size to infer it from)
         q, k, v = self.qkv(x).view(batch, seq, 3, self.num_heads, self.d_head).permute(2, 0, 3, 1, 4)
-        y = self.attend(self.rope(q), self.rope(k), v, True)  # causal
+        if self.fused_rope:
+            from systems.kernels import rotate_qk  # Triton, on first use
+
+            q, k = rotate_qk(q, k, self.rope.cos, self.rope.sin)
+        else:
+            q, k = self.rope(q), self.rope(k)
+        y = self.attend(q, k, v, True)  # causal
         # (batch, seq, heads * d_head): d_model, or under tensor parallelism this rank's heads' share of it
         return self.out(y.transpose(1, 2).reshape(batch, seq, self.num_heads * self.d_head))
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, d_model: int, d_ff: int):
+    def __init__(self, d_model: int, d_ff: int, fused: bool = False):
         super().__init__()
         self.w1 = nn.Linear(d_model, d_ff, bias=False)
         self.w3 = nn.Linear(d_model, d_ff, bias=False)
         self.w2 = nn.Linear(d_ff, d_model, bias=False)
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            from systems.kernels import silu_mul  # Triton, on first use
+
+            return self.w2(silu_mul(self.w1(x), self.w3(x)))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 class TransformerBlock(nn.Module):
     def __init__(self, config: TransformerConfig):
         super().__init__()
-        self.attn_norm = RMSNorm(config.d_model)
+        fused_norm = config.fused.fuses(Fused.RMSNORM)
+        self.attn_norm = RMSNorm(config.d_model, fused=fused_norm)
         self.attn = CausalSelfAttention(config)
-        self.ffn_norm = RMSNorm(config.d_model)
-        self.ffn = SwiGLU(config.d_model, config.d_ff)
+        self.ffn_norm = RMSNorm(config.d_model, fused=fused_norm)
+        self.ffn = SwiGLU(config.d_model, config.d_ff, fused=config.fused.fuses(Fused.SWIGLU))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -233,9 +297,12 @@ class TransformerLM(nn.Module):
         self.config = config
         self.embedding = nn.Embedding(config.vocab_size, config.d_model)
         self.blocks = nn.ModuleList(TransformerBlock(config) for _ in range(config.num_layers))
-        self.final_norm = RMSNorm(config.d_model)
-        self.lm_head = LMHead(config.d_model, config.vocab_size)
+        self.final_norm = RMSNorm(config.d_model, fused=config.fused.fuses(Fused.RMSNORM))
+        self.lm_head = LMHead(config.d_model, config.vocab_size, fused=config.fused.fuses(Fused.LOSS))
         self.apply(_init_weights)
+        if config.compile:
+            for block in self.blocks:  # lazily: a wrapper (FSDP) may add its hooks before the first call
+                block.compile(dynamic=False)
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: (batch, seq) integer ids -> logits (batch, seq, vocab_size); either size may be 0. With
@@ -246,46 +313,21 @@ class TransformerLM(nn.Module):
         on the host; `random_batch` does). Unchecked, an id outside [0, vocab_size) is an IndexError in the
         embedding or the loss on a CPU, and a device-side assert on a GPU.
         """
-        _check_token_shape(tokens, self.config.context_length)
-        if self.config.check_ids:
-            check_id_range(tokens, self.config.vocab_size, "token ids")
+        config = self.config
+        _check_token_shape(tokens, config.context_length)
+        if config.check_ids:
+            check_id_range(tokens, config.vocab_size, "token ids")
             if targets is not None:
-                check_id_range(targets, self.config.vocab_size, "target ids")
-        x = run_blocks(self.blocks, self.embedding(tokens), self.config.checkpoint)
+                check_id_range(targets, config.vocab_size, "target ids")
+        x = run_blocks(self.blocks, self.embedding(tokens), config.checkpoint, config.checkpoint_keep,
+                       config.checkpoint_saves)
         if targets is None:
             return self.lm_head(self.final_norm(x))
         # One call of the head makes the logits and the loss: a sharded head is gathered for both.
-        return self.lm_head(self.final_norm(x), targets, self.config.loss_chunk)
+        return self.lm_head(self.final_norm(x), targets, config.loss_chunk)
 
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
-
-
-def _recompute_contexts():
-    """Checkpointing's (forward, recomputation) contexts: the recomputation as a `recompute` range
-    (systems.bench.breakdown, nsys)."""
-    return contextlib.nullcontext(), nvtx_range("recompute")
-
-
-def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, levels: tuple[int, ...]) -> torch.Tensor:
-    """The blocks in order; with levels (k, *inner), as segments of k blocks of which autograd keeps only the
-    input, recomputing the rest in the backward, where `inner` checkpoints the recomputation in turn.
-
-    Non-reentrant checkpointing composes with module hooks (a recomputed forward runs a module's hooks again,
-    as a sharded layer's all-gather needs) and with autocast, whose state it restores for the recomputation.
-    The blocks draw no random numbers, so no RNG state is saved.
-    """
-    if not levels or not torch.is_grad_enabled():
-        for block in blocks:
-            x = block(x)
-        return x
-    size, inner = levels[0], levels[1:]
-    # torch.compile traces checkpoint only with its default contexts.
-    contexts = {} if torch.compiler.is_compiling() else {"context_fn": _recompute_contexts}
-    for start in range(0, len(blocks), size):
-        x = checkpoint(run_blocks, blocks[start:start + size], x, inner, use_reentrant=False,
-                       preserve_rng_state=False, **contexts)
-    return x
 
 
 def _check_token_shape(tokens: torch.Tensor, context_length: int) -> None:

@@ -19,6 +19,7 @@ from systems.parallel.mesh import Layout
 from systems.parallel.spec import TrainSpec
 from systems.parallel.train import Rank, build_optimizer, rank_batches
 from systems.precision import PRECISIONS
+from systems.recompute import Saves
 from systems.step import make_model
 
 
@@ -47,7 +48,8 @@ def train_one_process(spec: TrainSpec, layout: Layout, device: torch.device, ext
     the same inputs (test_checkpointing)."""
     if spec.precision != PRECISIONS["fp32"]:
         raise ValueError("the reference computes in fp32")
-    config = dataclasses.replace(spec.config(device.type), checkpoint=())
+    config = dataclasses.replace(spec.config(device.type), checkpoint=(), checkpoint_keep=0,
+                                 checkpoint_saves=Saves.INPUTS)
     torch.manual_seed(spec.seed)  # rank 0's
     model = make_model(config, device, spec.precision)
     params = list(model.parameters())

@@ -1,7 +1,6 @@
 """A project of two sleep benchmarks and a test between them that can stop the run, as the history and gate tests
 run it: `bench(*args, **env)` runs pytest there, with the plugin, SLOWDOWN* and STOP set from `env`."""
 
-import os
 import re
 from pathlib import Path
 

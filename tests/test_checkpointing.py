@@ -64,17 +64,22 @@ def test_forward_without_grad_is_unchanged():
         assert torch.equal(model(tokens), expected)
 
 
-def test_recomputation_runs_module_hooks_again():
-    """A sharded layer all-gathers its weight in a forward pre-hook: the recomputation must run it again, for
-    every layer of the blocks (w2's too, though the recomputation stops inside it, on saving its input)."""
-    config = get_config("tiny", num_layers=3, checkpoint=(2,))
-    model = TransformerLM(config)
+def linear_calls(model: TransformerLM) -> dict[str, int]:
+    """How often each Linear's forward pre-hook (where a sharded layer gathers its weight) runs in one forward and
+    backward."""
     calls = {name: 0 for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
     for name, module in model.named_modules():
         if name in calls:
             module.register_forward_pre_hook(lambda module, args, name=name: calls.__setitem__(name, calls[name] + 1))
-    tokens, targets = random_batch(config, 2, 16, CPU)
+    tokens, targets = random_batch(model.config, 2, 16, CPU)
     cross_entropy(model(tokens), targets).backward()
+    return calls
+
+
+def test_recomputation_runs_module_hooks_again():
+    """A sharded layer all-gathers its weight in a forward pre-hook: the recomputation must run it again, for
+    every layer of the blocks (w2's too, though the recomputation stops inside it, on saving its input)."""
+    calls = linear_calls(TransformerLM(get_config("tiny", num_layers=3, checkpoint=(2,))))
     assert calls == {name: 1 if name == "lm_head" else 2 for name in calls}
 
 

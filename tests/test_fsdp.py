@@ -40,7 +40,7 @@ from torch.func import functional_call
 from layout_reference import layout_mean
 from memory_probes import cpu_peak_bytes
 from spawned_ranks import results_by_rank
-from systems.accounting import fsdp_memory
+from systems.accounting import Checkpointing, checkpointed, fsdp_memory
 from systems.model import TransformerLM, get_config
 from systems.optim import AdamW
 from systems.parallel import fsdp as fsdp_module
@@ -497,24 +497,36 @@ MEMORY_MODEL = get_config("tiny", d_model=64, d_ff=512, num_layers=3, num_heads=
                           context_length=128)
 MEMORY_ROWS, MEMORY_SEQ = 2, 64
 STEPS_MEASURED = 6
-# (precision, checkpointed blocks per level, loss chunk, prefetch, gather)
-MEMORY_RUNS = {"fp32": ("fp32", (), None, 1, "layer"), "bf16": ("bf16", (), None, 1, "layer"),
-               "bf16-chunked": ("bf16", (), 48, 1, "layer"),
+# (precision, checkpointing, loss chunk, prefetch, gather)
+MEMORY_RUNS = {"fp32": ("fp32", "none", None, 1, "layer"), "bf16": ("bf16", "none", None, 1, "layer"),
+               "bf16-chunked": ("bf16", "none", 48, 1, "layer"),
                # Checkpointed: every block, pairs of blocks (a recomputation holds the block below's weights),
                # and nested segments, in both precisions, with the whole loss and chunks of it.
-               "fp32-blocks": ("fp32", (1,), None, 1, "layer"), "bf16-blocks-chunked": ("bf16", (1,), 48, 1, "layer"),
-               "fp32-pairs": ("fp32", (2,), None, 1, "layer"), "bf16-pairs-chunked": ("bf16", (2,), 48, 1, "layer"),
-               "fp32-nested": ("fp32", (2, 1), None, 1, "layer"),
-               "bf16-nested-chunked": ("bf16", (3, 1), 48, 1, "layer"),
+               "fp32-blocks": ("fp32", "every1", None, 1, "layer"),
+               "bf16-blocks-chunked": ("bf16", "every1", 48, 1, "layer"),
+               "fp32-pairs": ("fp32", "every2", None, 1, "layer"),
+               "bf16-pairs-chunked": ("bf16", "every2", 48, 1, "layer"),
+               "fp32-nested": ("fp32", "2x1", None, 1, "layer"),
+               "bf16-nested-chunked": ("bf16", "3x1", 48, 1, "layer"),
+               # Selective: the top block left out (its weights saved, so backward prefetches them), and op-level
+               # selection (the recomputation gathers its weights all the same).
+               "bf16-keep-chunked": ("bf16", "every1-keep1", 48, 1, "layer"),
+               "fp32-ops": ("fp32", "ops", None, 1, "layer"),
+               "bf16-attn-keep-block": ("bf16", "attn-keep1", 48, 1, "block"),
                # A block's weights in flight ahead: the chunked loss's backward peaks with them beside the LM head;
                # a recomputation's prefetches stay inside its segment, which it holds whole anyway.
-               "bf16-chunked-prefetch5": ("bf16", (), 48, 5, "layer"),
-               "fp32-pairs-prefetch5": ("fp32", (2,), None, 5, "layer"),
+               "bf16-chunked-prefetch5": ("bf16", "none", 48, 5, "layer"),
+               "fp32-pairs-prefetch5": ("fp32", "every2", None, 5, "layer"),
                # Block groups: a block's gradients wait for its last, two blocks' reduce-scatters in flight, and
                # whole blocks prefetched (two ahead beside the LM head in the chunked loss's backward).
-               "fp32-block": ("fp32", (), None, 1, "block"), "bf16-block": ("bf16", (), None, 1, "block"),
-               "bf16-chunked-prefetch2-block": ("bf16", (), 48, 2, "block"),
-               "fp32-pairs-block": ("fp32", (2,), None, 1, "block")}
+               "fp32-block": ("fp32", "none", None, 1, "block"), "bf16-block": ("bf16", "none", None, 1, "block"),
+               "bf16-chunked-prefetch2-block": ("bf16", "none", 48, 2, "block"),
+               "fp32-pairs-block": ("fp32", "every2", None, 1, "block")}
+
+
+def memory_config(precision_name: str, scheme: str, chunk: int | None):
+    return checkpointed(Checkpointing.parse(scheme), dataclasses.replace(MEMORY_MODEL, loss_chunk=chunk),
+                        MEMORY_ROWS, MEMORY_SEQ, PRECISIONS[precision_name], device="cpu")
 
 
 def measure_peaks() -> dict:
@@ -527,8 +539,8 @@ def measure_peaks() -> dict:
     return {name: measure_run(*run) for name, run in MEMORY_RUNS.items()}
 
 
-def measure_run(precision_name: str, levels: tuple[int, ...], chunk: int | None, prefetch: int, gather: str) -> dict:
-    config = dataclasses.replace(MEMORY_MODEL, checkpoint=levels, loss_chunk=chunk)
+def measure_run(precision_name: str, scheme: str, chunk: int | None, prefetch: int, gather: str) -> dict:
+    config = memory_config(precision_name, scheme, chunk)
     precision = PRECISIONS[precision_name]
     torch.manual_seed(SEED)
     wrapped = FSDP(make_model(config, torch.device("cpu"), precision), compute_dtype=precision.compute,
@@ -556,8 +568,8 @@ peaks = results_by_rank("peaks", measure_peaks, gloo_world_sizes=(2, 3), timeout
 
 
 def predicted_memory(run: str, world_size: int):
-    precision_name, levels, chunk, prefetch, gather = MEMORY_RUNS[run]
-    config = dataclasses.replace(MEMORY_MODEL, checkpoint=levels, loss_chunk=chunk)
+    precision_name, scheme, chunk, prefetch, gather = MEMORY_RUNS[run]
+    config = memory_config(precision_name, scheme, chunk)
     return fsdp_memory(config, MEMORY_ROWS, MEMORY_SEQ, PRECISIONS[precision_name], world_size, device="cpu",
                        prefetch=prefetch, gather=gather)
 
@@ -576,7 +588,7 @@ def test_step_peak_matches_the_accounting(peaks, run):
     assert peaks[0][run]["step"] == pytest.approx(predicted.peak, rel=0.03)
 
 
-@pytest.mark.parametrize("run", [run for run, (_, levels, *_) in MEMORY_RUNS.items() if not levels])
+@pytest.mark.parametrize("run", [run for run, (_, scheme, *_) in MEMORY_RUNS.items() if scheme == "none"])
 def test_gathered_peak_matches_the_accounting(peaks, run):
     """FSDP's own count of the gathered weights it holds, exact where the peaks' tolerance is not: the most is
     the LM head's with the `prefetch` weights after it in backward (the top block's w2 onwards), as many as the

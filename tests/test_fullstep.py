@@ -37,7 +37,8 @@ BASE = TrainSpec(preset="leaderboard-2026-tiny", variant="fsdp", precision="fp32
                  warmup=0, steps=3, lr=1e-2, loss_chunk=10)
 SPECS = {"every1": dataclasses.replace(BASE, checkpoint="every1"),
          "nested": dataclasses.replace(BASE, checkpoint="3x1", attention="flash"),
-         "every2-naive": dataclasses.replace(BASE, checkpoint="every2", attention="naive")}
+         "every2-naive": dataclasses.replace(BASE, checkpoint="every2", attention="naive"),
+         "ops-keep1": dataclasses.replace(BASE, checkpoint="ops-keep1")}
 
 
 def one_more_step(model, step) -> dict:
@@ -72,9 +73,9 @@ def test_levers_on_train_exactly_like_one_process(replicas, name):
 @pytest.mark.parametrize("name", SPECS)
 def test_the_backward_recomputes_the_checkpointed_blocks(replicas, name):
     config = SPECS[name].config()
-    layers = config.num_layers
-    blocks, _ = recomputed_blocks(layers, config.checkpoint)
-    assert blocks >= layers
+    layers, checkpointed = config.num_layers, config.num_layers - config.checkpoint_keep
+    blocks, _ = recomputed_blocks(checkpointed, config.checkpoint)
+    assert blocks >= checkpointed
     assert all(result[name]["block_calls"] == layers + blocks for result in replicas)
 
 

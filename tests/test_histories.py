@@ -11,10 +11,11 @@ import pytest
 
 from histories import allreduce_measured, config, entry, phases, rate, save_run, step_breakdown
 from systems.bench import migrate
-from systems.bench.schema import (KINDS, MEASURED, POINT, AllReducePoint, DDPMeasured, DDPPoint, FSDPMeasured,
-                                  FSDPPoint, ModelMeasured, ModelPoint, Point, SchemaError,
+from systems.accounting import Checkpointing
+from systems.bench.schema import (KINDS, MEASURED, POINT, SCHEMA, AllReducePoint, CheckpointPoint, DDPMeasured,
+                                  DDPPoint, FSDPMeasured, FSDPPoint, ModelMeasured, ModelPoint, Point, SchemaError,
                                   read_measured, read_point, to_record)
-from systems.model import Attention
+from systems.model import Attention, Fused
 from systems.parallel.fsdp import Gather
 from systems.parallel.spec import Variant
 from systems.precision import PRECISIONS
@@ -77,7 +78,8 @@ def test_a_measured_record_is_read_with_its_kinds_types():
     (lambda h: h["benchmarks"][0]["extra_info"][POINT].update(kind="pipeline"), "unknown point kind 'pipeline'"),
     (lambda h: h["benchmarks"][0]["extra_info"][POINT].update(shard_group=2), "unknown field shard_group"),
     (lambda h: h["benchmarks"][0]["extra_info"][MEASURED].update(gpu_s=2.0), "unknown field gpu_s"),
-    (lambda h: h.update(systems_lab_schema=3), "saved with schema 3 (this code reads 2): a newer schema"),
+    (lambda h: h.update(systems_lab_schema=SCHEMA + 1),
+     f"saved with schema {SCHEMA + 1} (this code reads {SCHEMA}): a newer schema"),
     (lambda h: h.pop("systems_lab_schema"), "python -m systems.bench.migrate"),
     (lambda h: h["benchmarks"][0]["extra_info"].pop(MEASURED), "a point without its measurements"),
 ], ids=["unknown-kind", "unknown-point-field", "unknown-measured-field", "newer-schema", "older-schema",
@@ -204,6 +206,21 @@ def test_a_history_saved_before_the_schema_migrates_into_it_once(tmp_path):
         tables[form] = {path.name: path.read_text() for path in (tmp_path / f"{form}-report").glob("*.md")
                         if path.name != "report.md"}
     assert tables["old"] == tables["new"] and "OOM" in tables["new"]["model.md"]
+
+
+def test_a_history_of_schema_2_gains_the_levers_added_since(tmp_path):
+    """Its checkpointing points ran without fused kernels or compilation: they read back so, under the same ids."""
+    point = CheckpointPoint("small", "2025", 4, 256, FP32, Attention.SDPA, Checkpointing.parse("every1"))
+    path = save_run(tmp_path, 1, [], oom=[point])
+    history = json.loads(path.read_text())
+    for field in migrate.LATER_FIELDS["checkpoint"]:
+        del history["out_of_memory"][0][POINT][field]
+    history["systems_lab_schema"] = 2
+    path.write_text(json.dumps(history))
+    assert migrate.main([str(path)]) == 0
+    (oom,) = json.loads(path.read_text())["out_of_memory"]
+    assert read_point(oom[POINT]) == point and oom["name"].endswith("[small-2025-b4-ctx256-fp32-sdpa-every1]")
+    assert str(dataclasses.replace(point, fused=Fused.ALL, compile=True)).endswith("-every1-fused-all-compiled")
 
 
 def test_migration_knows_every_kind():

@@ -23,7 +23,8 @@ CORRUPTIONS = {
 }
 MESSAGES = {"truncated": "cannot be read (JSONDecodeError", "empty": "cannot be read (JSONDecodeError",
             "another-shape": "not a pytest-benchmark history", "no-fullname": "benchmark 0 has no fullname",
-            "stats-moved": "its stats lack", "newer-schema": "saved with schema 99 (this code reads 2): a newer schema"}
+            "stats-moved": "its stats lack",
+            "newer-schema": f"saved with schema 99 (this code reads {SCHEMA}): a newer schema"}
 
 
 def saved_history(inner_pytest, how: str) -> str:

@@ -23,27 +23,29 @@ UNIT_ROUNDOFF = {torch.float32: U32, torch.bfloat16: 2.0**-8}
 TOKENS, VOCAB, WIDTH = (3, 100), 1000, 48  # 300 tokens
 
 
-def inputs(dtype: torch.dtype, logit_scale: float):
+def inputs(dtype: torch.dtype, logit_scale: float, tokens: tuple[int, ...] = TOKENS, vocab: int = VOCAB,
+           width: int = WIDTH):
     """Hidden states and weights whose logits reach about +-logit_scale * 4, and targets."""
-    hidden = (torch.randn(*TOKENS, WIDTH) * logit_scale / WIDTH**0.5).to(dtype).requires_grad_()
-    weight = torch.randn(VOCAB, WIDTH).to(dtype).requires_grad_()
-    return hidden, weight, torch.randint(VOCAB, TOKENS)
+    hidden = (torch.randn(*tokens, width) * logit_scale / width**0.5).to(dtype).requires_grad_()
+    weight = torch.randn(vocab, width).to(dtype).requires_grad_()
+    return hidden, weight, torch.randint(vocab, tokens)
 
 
 def reference(hidden, weight, targets, u: float):
     """Loss and gradients in float64, and their first-order error bounds."""
-    h, w = hidden.detach().double().flatten(0, 1), weight.detach().double()
+    h, w = hidden.detach().double().flatten(0, -2), weight.detach().double()
     t, n = targets.flatten(), len(targets.flatten())
+    vocab, width = w.shape
     z = h @ w.T  # (N, V)
     log_norm = torch.logsumexp(z, dim=-1)
     loss = (log_norm - z.gather(-1, t[:, None]).squeeze(-1)).mean()
     g = (z - log_norm[:, None]).exp()
     g[torch.arange(n), t] -= 1
     g /= n
-    logit_error = u * z.abs() + WIDTH * U32 * (h.abs() @ w.abs().T)
-    row_error = 2 * (logit_error.amax(dim=-1) + VOCAB * U32)  # (N,)
+    logit_error = u * z.abs() + width * U32 * (h.abs() @ w.abs().T)
+    row_error = 2 * (logit_error.amax(dim=-1) + vocab * U32)  # (N,)
     bounds = {"loss": row_error.mean() + U32 * loss.abs(),
-              "hidden": (row_error[:, None] + 3 * u + VOCAB * U32) * (g.abs() @ w.abs()),
+              "hidden": (row_error[:, None] + 3 * u + vocab * U32) * (g.abs() @ w.abs()),
               "weight": (row_error.max() + 3 * u + n * U32) * (g.abs().T @ h.abs())}
     return {"loss": loss, "hidden": g @ w, "weight": g.T @ h}, bounds
 

@@ -11,7 +11,7 @@ import pytest
 
 from systems.accounting import Checkpointing
 from systems.attention import BENCHED_BACKENDS
-from systems.model import EDITIONS, Attention
+from systems.model import EDITIONS, Attention, Fused
 from systems.parallel.fsdp import Gather
 from systems.parallel.mesh import Layout
 from systems.parallel.spec import Variant
@@ -61,10 +61,16 @@ def test_grid(request):
     ("--bucket-sizes-mb=1,nan", "--bucket-sizes-mb: nan is not positive"),
     ("--contexts=,", "--contexts: no values given"),
     ("--contexts=128,12x", "--contexts: '12x' is not a valid int"),
+    ("--checkpoint=every1-keep0", "--checkpoint: checkpointing 'every1-keep0': -keepN keeps at least one block"),
+    ("--fused=layernorm", "--fused: unknown fused 'layernorm'; choose from none, all, rmsnorm, rope, swiglu, loss"),
+    ("--compile-blocks=yes", "--compile-blocks: unknown switch 'yes'; choose from off, on"),
+    (["--checkpoint=every1,ops", "--compile-blocks=off,on"], "--checkpoint ops with --compile-blocks on: op-level "
+                                                             "selection cannot see inside a compiled block"),
 ])
 def test_a_bad_grid_option_is_a_usage_error_at_start_up(inner_pytest, option, message):
     inner_pytest.makepyfile(test_nothing=NOTHING)
-    ran = inner_pytest.runpytest_inprocess(option, "--collect-only", "-p", "no:cacheprovider")
+    options = option if isinstance(option, list) else [option]
+    ran = inner_pytest.runpytest_inprocess(*options, "--collect-only", "-p", "no:cacheprovider")
     assert ran.ret == pytest.ExitCode.USAGE_ERROR
     assert message in ran.stderr.str()
 
@@ -73,7 +79,8 @@ def test_options_become_their_levers_in_one_typed_grid(inner_pytest):
     """The benches get objects, not text: a precision, a checkpointing scheme, a gather, a variant, a layout."""
     inner_pytest.makepyfile(test_grid=GRID)
     ran = inner_pytest.runpytest_inprocess("--presets=all", "--compile-contexts=", "--precisions=bf16-weights",
-                                            "--checkpoint=none,every4,6x1,nested", "--fsdp-gather=layer,block",
+                                            "--checkpoint=none,every4,6x1,nested,every1-keep2",
+                                            "--fused=all,rope", "--compile-blocks=on", "--fsdp-gather=layer,block",
                                             "--fullstep-variants=fsdp,fsdp2", "--loss-chunk=full",
                                             "--attn-impls=" + ",".join(BENCHED_BACKENDS), "--warmup-steps=0",
                                             "--bucket-sizes-mb=0.5,100", "--layouts=2x2,1X4", "-p",
@@ -82,7 +89,9 @@ def test_options_become_their_levers_in_one_typed_grid(inner_pytest):
     grid = json.loads((inner_pytest.path / "grid.json").read_text())
     assert grid["presets"] == repr(list(EDITIONS["2025"]))
     assert grid["precisions"] == repr([PRECISIONS["bf16-weights"]])
-    assert grid["checkpoint"] == repr([Checkpointing.parse(text) for text in ("none", "every4", "6x1", "nested")])
+    assert grid["checkpoint"] == repr([Checkpointing.parse(text)
+                                       for text in ("none", "every4", "6x1", "nested", "every1-keep2")])
+    assert grid["fused"] == repr([Fused.ALL, Fused.ROPE]) and grid["compile_blocks"] == "[True]"
     assert grid["fsdp_gather"] == repr([Gather.LAYER, Gather.BLOCK])
     assert grid["fullstep_variants"] == repr([Variant.FSDP, Variant.FSDP2]) and grid["loss_chunk"] == "None"
     assert grid["compile_contexts"] == "[]" and grid["bucket_sizes_mb"] == "[0.5, 100.0]"
@@ -123,3 +132,18 @@ def test_installed_the_plugin_is_in_any_projects_pytest(tmp_path):
                                capture_output=True, text=True, timeout=300).stdout
     assert "what the benchmarks sweep" in help_text and "--presets=PRESETS" in help_text
     assert "--benchmark-gate-against=REV" in help_text
+
+
+@pytest.mark.parametrize("bench, options, points", [
+    ("bench_fullstep.py", ["--checkpoint=every1,attn-keep2", "--fused=none,all", "--precisions=fp32,bf16",
+                           "--fsdp-prefetch=1,2"], 16),
+    ("bench_checkpoint.py", ["-k", "test_checkpoint", "--checkpoint=none,ops", "--fused=none,rope",
+                             "--compile-blocks=off", "--precisions=bf16"], 4),
+])
+def test_a_bench_grid_is_every_combination_of_its_options(inner_pytest, bench, options, points):
+    """bench_fullstep: 2 schemes x 2 fused x 2 precisions x 2 prefetches; bench_checkpoint's steps: 2 x 2."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    ran = inner_pytest.runpytest_subprocess(os.path.join(root, "benches", bench), *options, "--collect-only", "-q",
+                                            "-p", "no:cacheprovider", "-o", "python_files=bench_*.py")
+    assert ran.ret == pytest.ExitCode.OK, ran.stderr.str()
+    assert sum("::test_" in line for line in ran.stdout.lines) == points

@@ -18,6 +18,13 @@ accumulate during the backward, so `least_peak_levels` evaluates every (K, k) on
 rounding the continuous optimum. Where the gradients outgrow the kept inputs (fp32 weights of the large presets)
 the peak is in the bottom block's backward, where every scheme with k = 1 holds one block and nearly all the
 gradients: nesting cannot lower it there, and ties go to the scheme that recomputes least.
+
+Selective checkpointing (systems.recompute). Leaving the top `keep` blocks out keeps their activations from the
+forward on, but their backward runs first and frees them before the checkpointed blocks' backward begins: the
+peak grows only where it was at the top of the backward or at the end of the forward, and the recomputation
+shrinks by keep / L. Op-level selection keeps, of each one-block segment, its attention kernel's outputs, or
+those and its matmuls', which the recomputation then takes instead of running them (the matmuls' FLOPs leave it;
+the last matmul's output is kept but never taken, the recomputation stopping before it).
 """
 
 from __future__ import annotations
@@ -26,37 +33,55 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-_LEVELS = re.compile(r"(?:every)?(\d+(?:x\d+)*)")
+from systems.recompute import Saves
+
+_SCHEME = re.compile(r"(?P<base>none|nested|ops|attn|every\d+|\d+(?:x\d+)+)(?:-keep(?P<keep>\d+))?")
+# Op-level schemes by spelling: one-block segments keeping what `Saves` names.
+_SELECTIVE = {"attn": Saves.ATTENTION, "ops": Saves.MATMULS}
 
 
 @dataclass(frozen=True)
 class Checkpointing:
     """A checkpointing scheme, as options, ids and tables spell it: `none` (every activation kept), `every4`
-    (segments of 4 blocks), `6x1` (segments of 6 blocks, each recomputed as segments of 1), or `nested` (the
-    two-level sizes of least peak memory for the model and batch: transformer.checkpoint_levels resolves it).
-    `levels` holds the blocks per segment, outermost first; None for nested."""
+    (segments of 4 blocks), `6x1` (segments of 6 blocks, each recomputed as segments of 1), `nested` (the
+    two-level sizes of least peak memory for the model and batch: transformer.checkpointed resolves it), `attn`
+    (one-block segments that keep their attention kernel's outputs), `ops` (one-block segments that keep their
+    matmuls' and attention's outputs: only elementwise ops recomputed); any but none with `-keepN`, the top N
+    blocks left out (`every1-keep8`). `levels` holds the blocks per segment, outermost first; None for nested."""
 
     levels: tuple[int, ...] | None
+    keep: int = 0
+    saves: Saves = Saves.INPUTS
 
     @classmethod
     def parse(cls, text: str) -> Checkpointing:
-        if text in ("none", "nested"):
-            return cls(() if text == "none" else None)
-        match = _LEVELS.fullmatch(text)
-        if match is None or text[0].isdigit() != ("x" in text):  # one level reads every4, two 6x1
-            raise ValueError(f"unknown checkpointing {text!r}; write none, nested, everyK (segments of K blocks) "
-                             f"or KxK (segments of K blocks recomputed as segments of k)")
-        levels = tuple(int(k) for k in match.group(1).split("x"))
+        match = _SCHEME.fullmatch(text)
+        if match is None or (match["base"] == "none" and match["keep"]):
+            raise ValueError(f"unknown checkpointing {text!r}; write none, nested, everyK (segments of K blocks), "
+                             f"KxK (segments of K blocks recomputed as segments of k), attn or ops (one-block "
+                             f"segments keeping attention's outputs, or those and the matmuls'), any but none "
+                             f"followed by -keepN (the top N blocks not checkpointed)")
+        base, keep = match["base"], int(match["keep"] or 0)
+        if match["keep"] is not None and keep < 1:
+            raise ValueError(f"checkpointing {text!r}: -keepN keeps at least one block (no suffix keeps none)")
+        if base in ("none", "nested"):
+            return cls(() if base == "none" else None, keep)
+        if base in _SELECTIVE:
+            return cls((1,), keep, _SELECTIVE[base])
+        levels = tuple(int(k) for k in base.removeprefix("every").split("x"))
         if any(k < 1 for k in levels) or any(inner >= outer for outer, inner in zip(levels, levels[1:])):
             raise ValueError(f"checkpointing {text!r}: segment sizes must be positive and shrink level by level")
-        return cls(levels)
+        return cls(levels, keep)
 
     def __str__(self) -> str:
+        keep = f"-keep{self.keep}" if self.keep else ""
+        if self.saves != Saves.INPUTS:
+            return next(name for name, saves in _SELECTIVE.items() if saves == self.saves) + keep
         if self.levels is None:
-            return "nested"
+            return "nested" + keep
         if not self.levels:
             return "none"
-        return f"every{self.levels[0]}" if len(self.levels) == 1 else "x".join(map(str, self.levels))
+        return (f"every{self.levels[0]}" if len(self.levels) == 1 else "x".join(map(str, self.levels))) + keep
 
 
 NONE = Checkpointing(())
@@ -67,19 +92,29 @@ def kept_inputs(num_layers: int, levels: tuple[int, ...]) -> int:
     return -(-num_layers // levels[0]) if levels else 0
 
 
-def held_in_backward(levels: tuple[int, ...], block: int, per_block: int, segment_input: int, shared: int) -> int:
+def held_in_backward(levels: tuple[int, ...], block: int, per_block: int, segment_input: int, shared: int, *,
+                     checkpointed: int | None = None, selected: int = 0, untaken: int = 0) -> int:
     """Bytes of activations held while `block`'s backward runs: the inputs, at every level, of the segments
     from the first up to `block`'s (an inner segment that starts its parent shares the parent's input), and
     the blocks of `block`'s innermost segment up to `block`, recomputed. `shared`: bytes of the first
     recomputed block's activations that are its segment's input itself (an fp32 residual stream, which the
-    block's norm saves as it is). Without checkpointing, blocks 0 to `block`."""
+    block's norm saves as it is). Without checkpointing, blocks 0 to `block`.
+
+    Selective checkpointing: only the first `checkpointed` blocks are (None: all); the blocks above keep
+    `per_block` each, and in their backward every checkpointed segment's input is held. Under op-level selection
+    each checkpointed block below `block` keeps `selected` bytes too, and a recomputed block holds, beside its
+    recomputed activations (which include what it selected), the `untaken` bytes of its selection that the
+    recomputation does not take."""
     if not levels:
         return (block + 1) * per_block
+    if checkpointed is not None and block >= checkpointed:
+        above = block - checkpointed + 1
+        return kept_inputs(checkpointed, levels) * segment_input + checkpointed * selected + above * per_block
     held, start = 0, 0
     for depth, (size, inner_start) in enumerate(zip(levels, segment_starts(levels, block))):
         held += ((block - start) // size + (depth == 0)) * segment_input
         start = inner_start
-    return held + (block - start + 1) * per_block - shared
+    return held + (block - start + 1) * per_block - shared + block * selected + untaken
 
 
 def inputs_in_forward(levels: tuple[int, ...], block: int) -> int:
@@ -121,8 +156,8 @@ def _recomputed(start: int, stop: int, levels: tuple[int, ...]) -> tuple[int, in
 
 
 def least_peak_levels(num_layers: int, peak: Callable[[tuple[int, ...]], int]) -> tuple[int, ...]:
-    """The two-level sizes (K, k), k < K <= num_layers, of least `peak`; ties go to fewer recomputed blocks.
-    One block is one level of single blocks: no two-level scheme exists."""
+    """The two-level sizes (K, k), k < K <= num_layers (the checkpointed blocks), of least `peak`; ties go to fewer
+    recomputed blocks. One block is one level of single blocks: no two-level scheme exists."""
     if num_layers == 1:
         return (1,)
     candidates = [(outer, inner) for outer in range(2, num_layers + 1) for inner in range(1, outer)]

@@ -11,11 +11,16 @@ holds; tests/test_checkpointing.py checks them against the CPU allocator.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from systems.accounting.checkpointing import inputs_in_forward
 from systems.model import TransformerConfig
 from systems.precision import FP32, Precision
+
+if TYPE_CHECKING:  # the block's and the model's activations, which transformer.py models and passes in
+    from systems.accounting.transformer import Activations, _BlockActivations
 
 
 @dataclass(frozen=True)
@@ -66,3 +71,48 @@ def written_out_scores(config: TransformerConfig, batch_size: int, seq: int, pre
     upcast = FP32 if cuda_autocast and precision.compute != torch.float16 else 0
     return WrittenOutScores(elements=batch_size * config.num_heads * seq * seq, mask=seq * seq, low=low,
                             softmax=FP32 if cuda_autocast else low, upcast=upcast, cuda=device == "cuda")
+
+
+def written_out_forward_peak(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, device: str,
+                             acts: Activations, block: _BlockActivations) -> int:
+    """Written-out attention's forward peak, weights aside: inside the top block's attention, or under
+    checkpointing in the block whose forward holds the most segment inputs (and what op-level selection kept
+    below it) or in the top block left out, with the autocast weight copies made so far and qkv's output, whose
+    views q, k and v are."""
+    copy = precision.autocast_copy_bytes
+    d, d_ff = config.d_model, config.d_ff
+    act = batch_size * seq * d * precision.compute.itemsize
+    scores = written_out_scores(config, batch_size, seq, precision, device)
+
+    def in_attention(i: int, held: int) -> int:
+        return i * copy * (4 * d * d + 3 * d * d_ff) + copy * 3 * d * d + held + 3 * act + scores.forward_working_set
+
+    residual = acts.segment_input
+    # The top block, not checkpointed: the blocks below saved what they keep, this one's saves up to q and k;
+    # under autocast one more residual-stream tensor, unsaved: the fp32 norm output that qkv takes a cast of, or
+    # the bf16 block input the norm saves in fp32.
+    top = config.num_layers - 1
+    unsaved = residual if precision.uses_autocast else 0
+    in_top = in_attention(top, acts.blocks - acts.per_layer + block.attention_in + unsaved)
+    if not config.checkpoint:
+        return in_top
+    # Nothing is saved inside a segment but what op-level selection keeps: the inputs alive, the norm's output
+    # (qkv's input), q and k.
+    checkpointed = config.num_layers - config.checkpoint_keep
+    in_segments = max(in_attention(i, (inputs_in_forward(config.checkpoint, i) + 1) * residual + 2 * act
+                                   + i * acts.selected) for i in range(checkpointed))
+    return max(in_segments, in_top) if config.checkpoint_keep else in_segments
+
+
+def written_out_backward_peak(config: TransformerConfig, batch_size: int, seq: int, precision: Precision,
+                              device: str, block: _BlockActivations) -> int:
+    """What a block's backward holds inside written-out attention's softmax backward beyond the activations held
+    at its start and the residual stream's gradient: the gradients of the FFN, its norm and the out projection,
+    less what their backward has freed (the FFN's activations, the out projection's input, what P @ V kept,
+    those layers' weight copies); V's gradient, waiting for q's and k's; and the softmax's working set."""
+    d, d_ff = config.d_model, config.d_ff
+    later_weights = d * d + 3 * d * d_ff  # out, w1, w3, w2
+    freed = block.ffn + block.attention_out + precision.autocast_copy_bytes * later_weights
+    v_grad = batch_size * seq * d * precision.compute.itemsize
+    scores = written_out_scores(config, batch_size, seq, precision, device)
+    return precision.grad_bytes * (later_weights + d) - freed + v_grad + scores.backward_working_set

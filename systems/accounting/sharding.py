@@ -185,7 +185,11 @@ def _sharded_memory(config, batch_size, seq, precision, shard, replicate, device
     rank = _Rank(shard, precision.compute.itemsize, precision.grad_bytes, gloo=device == "cpu", replicate=replicate)
     per_rank = sum(rank.chunk(n) for n in weights) + replicated
     groups = _gradient_order(config, gather)
-    ahead = _Prefetch(rank, groups if not config.checkpoint else groups[:1], prefetch)
+    # Backward prefetches the groups whose forward saved a weight: the LM head's and, but for checkpointing, the
+    # blocks' (the blocks left out of it).
+    per_block = (len(groups) - 1) // config.num_layers
+    saving = len(groups) if not config.checkpoint else 1 + config.checkpoint_keep * per_block
+    ahead = _Prefetch(rank, groups[:saving], prefetch)
     moments = (*_forward_and_loss(config, batch_size, seq, precision, rank, ahead, device),
                *_blocks_backward(config, batch_size, seq, precision, rank, ahead, groups, device),
                _embedding_gradient(config, batch_size, seq, rank, weights[0], groups,
@@ -279,6 +283,7 @@ def _blocks_backward(config, batch_size, seq, precision, rank, ahead, groups, de
     shared = acts.segment_input if precision.compute == torch.float32 else 0
     norm_grads = 2 * d * rank.grad  # a block's two norm gains
     moments = []
+    checkpointed = layers - config.checkpoint_keep if levels else 0
     for i in reversed(range(layers)):
         above = layers - 1 - i
         at = 1 + above * per_block  # the group of block i's w2
@@ -289,9 +294,10 @@ def _blocks_backward(config, batch_size, seq, precision, rank, ahead, groups, de
         in_flight = (sum(rank.reducing(group) for group in reducing) + (0 if complete else w2 * c)
                      + sum(rank.replicating(group) for group in replicating))
         # Unless recomputed: block i's group but w2, used, and the groups after it prefetched.
-        gathered = (_recomputed_in_block(rank, block_weights(config), levels, i) if levels
+        gathered = (_recomputed_in_block(rank, block_weights(config), levels, i) if i < checkpointed
                     else sum(rank.gathered(n) for n in groups[at]) - rank.gathered(w2) + ahead.after(at + 1))
-        held = held_in_backward(levels, i, acts.per_layer, acts.segment_input, shared)
+        held = held_in_backward(levels, i, acts.per_layer, acts.segment_input, shared, checkpointed=checkpointed,
+                                selected=acts.selected, untaken=acts.untaken)
         activations = held + tokens * d * c + 2 * tokens * d_ff * c
         moments.append(Moment(f"block {i} backward", grads, gathered, in_flight, activations))
     return moments

@@ -7,7 +7,8 @@ RoPE saves only its cos/sin tables; SwiGLU saves w1's and w3's outputs, the SiLU
 the product; cross_entropy upcasts the logits and keeps three (batch, seq, vocab) fp32 tensors.
 tests/test_accounting.py checks it against the tensors autograd actually saves (CPU) and against
 torch.cuda.max_memory_allocated (GPU). Activation memory, peak memory and FLOPs follow the config's activation
-checkpointing (checkpointing.py holds its arithmetic; tests/test_checkpointing.py checks it). Peak memory adds
+checkpointing, selective included (checkpointing.py holds its arithmetic; tests/test_checkpointing.py checks
+it). The fused kernels (`config.fused`) are not modelled: the accounting counts the eager ops. Peak memory adds
 what is made and freed around the moment each phase peaks at, written-out attention's seq² tensors among them
 (scores.py).
 """
@@ -19,11 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from systems.accounting.checkpointing import (Checkpointing, held_in_backward, inputs_in_forward, kept_inputs,
-                                              least_peak_levels, recomputed_blocks)
-from systems.accounting.scores import written_out_scores
+from systems.accounting.checkpointing import (Checkpointing, held_in_backward, kept_inputs, least_peak_levels,
+                                              recomputed_blocks)
+from systems.accounting.scores import written_out_backward_peak, written_out_forward_peak, written_out_scores
 from systems.model import Attention, TransformerConfig
 from systems.precision import FP32, Precision
+from systems.recompute import Saves
 
 GB = 10**9
 H100_BYTES = 80 * GB
@@ -84,15 +86,25 @@ def flops(config: TransformerConfig, batch_size: int, seq: int) -> Flops:
     )
 
 
-def recomputed_flops(config: TransformerConfig, batch_size: int, seq: int) -> Flops:
-    """The forward FLOPs the backward runs again under `config.checkpoint` (none without): the blocks
-    `recomputed_blocks` counts, less the w2 matmul at the end of each innermost segment. Not model FLOPs:
-    MFU leaves them out."""
+def recomputed_flops(config: TransformerConfig, batch_size: int, seq: int, *, device: str = "cuda") -> Flops:
+    """The forward FLOPs the backward runs again under `config.checkpoint` (none without): the checkpointed
+    blocks `recomputed_blocks` counts, less the w2 matmul at the end of each innermost segment; under op-level
+    selection less what the recomputation takes from the forward instead (attention's kernel where `device` runs
+    one, the matmuls). Not model FLOPs: MFU leaves them out."""
     model = flops(config, batch_size, seq)
-    blocks, segments = recomputed_blocks(config.num_layers, config.checkpoint)
+    blocks, segments = recomputed_blocks(config.num_layers - config.checkpoint_keep, config.checkpoint)
     w2 = 2 * batch_size * seq * config.d_model * config.d_ff
-    return Flops(projections=blocks * model.projections // config.num_layers - segments * w2,
-                 attention=blocks * model.attention // config.num_layers, lm_head=0)
+    saves = config.checkpoint_saves
+    projections = 0 if saves == Saves.MATMULS else blocks * model.projections // config.num_layers - segments * w2
+    kept = saves != Saves.INPUTS and _selects_attention(config.attention, device)
+    return Flops(projections=projections, attention=0 if kept else blocks * model.attention // config.num_layers,
+                 lm_head=0)
+
+
+def _selects_attention(attention: Attention, device: str) -> bool:
+    """Whether op-level selection can keep attention's outputs: SDPA's kernels and our Triton FlashAttention-2's
+    custom op, not attention written out (seq² scores) or FlashAttention-2 in PyTorch ops (flash off CUDA)."""
+    return attention == Attention.SDPA or (attention == Attention.FLASH and device == "cuda")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -137,6 +149,16 @@ def residual_stream_bytes(config: TransformerConfig, batch_size: int, seq: int, 
     return precision.weight_bytes * batch_size * seq * config.d_model
 
 
+def kept_weight_copies(config: TransformerConfig, precision: Precision) -> int:
+    """The autocast weight copies autograd keeps after the forward: every matmul's, or under checkpointing the LM
+    head's and those of the blocks left out (the checkpointed blocks' leave with the forward's autocast cache)."""
+    if not config.checkpoint:
+        return model_state(config, precision).autocast_weights
+    d = config.d_model
+    layer = 4 * d * d + 3 * d * config.d_ff
+    return precision.autocast_copy_bytes * (d * config.vocab_size + config.checkpoint_keep * layer)
+
+
 @dataclass(frozen=True)
 class Activations:
     """Bytes autograd holds for backward after one forward pass and loss (inputs and weights excluded)."""
@@ -147,14 +169,19 @@ class Activations:
     logits: int  # one fp32 (batch, seq, vocab) tensor, the unit of the loss's transients
     segment_input: int  # one residual-stream tensor: what checkpointing keeps of a segment
     checkpoint: tuple[int, ...] = ()  # TransformerConfig.checkpoint
+    keep: int = 0  # TransformerConfig.checkpoint_keep
+    selected: int = 0  # what op-level selection keeps of a checkpointed block beside its input
+    untaken: int = 0  # the part of `selected` that the block's recomputation leaves where it is
 
     @property
     def blocks(self) -> int:
-        """What autograd keeps of the blocks: every block's activations, or under checkpointing the inputs of
-        the outermost segments."""
-        if self.checkpoint:
-            return kept_inputs(self.num_layers, self.checkpoint) * self.segment_input
-        return self.num_layers * self.per_layer
+        """What the blocks keep: every block's activations, or under checkpointing the inputs of the outermost
+        segments (and what op-level selection keeps of them), and the activations of the blocks left out."""
+        if not self.checkpoint:
+            return self.num_layers * self.per_layer
+        checkpointed = self.num_layers - self.keep
+        return (kept_inputs(checkpointed, self.checkpoint) * self.segment_input + checkpointed * self.selected
+                + self.keep * self.per_layer)
 
     @property
     def total(self) -> int:
@@ -177,9 +204,26 @@ def activation_memory(config: TransformerConfig, batch_size: int, seq: int, prec
     # fp32 logits (amax), exp (its backward), logits minus max (gather), the max and the sum.
     loss = 3 * logits + 2 * FP32 * tokens
     head = _norm_saved(tokens, config.d_model) + tokens * config.d_model * precision.compute.itemsize + loss
+    selected, untaken = _selected(config, batch_size, seq, precision, attention, device)
     return Activations(per_layer=block.total, num_layers=config.num_layers, head=head, logits=logits,
                        segment_input=residual_stream_bytes(config, batch_size, seq, precision),
-                       checkpoint=config.checkpoint)
+                       checkpoint=config.checkpoint, keep=config.checkpoint_keep, selected=selected,
+                       untaken=untaken)
+
+
+def _selected(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, attention: Attention,
+              device: str) -> tuple[int, int]:
+    """What op-level selection keeps of a checkpointed block beside its input, and the part of that the
+    recomputation never takes: attention's output and log-sum-exp; with the matmuls, their outputs (qkv's, the
+    out projection's, w1's and w3's, and w2's, which the recomputation stops before)."""
+    if config.checkpoint_saves == Saves.INPUTS:
+        return 0, 0
+    low, tokens = precision.compute.itemsize, batch_size * seq
+    act = tokens * config.d_model * low
+    kept = act + FP32 * batch_size * config.num_heads * seq if _selects_attention(attention, device) else 0
+    if config.checkpoint_saves == Saves.ATTENTION:
+        return kept, 0
+    return kept + 5 * act + 2 * tokens * config.d_ff * low, act
 
 
 def _norm_saved(tokens: int, d_model: int) -> int:
@@ -252,11 +296,12 @@ def peak_memory(config: TransformerConfig, batch_size: int, seq: int, precision:
     residual = residual_stream_bytes(config, batch_size, seq, precision)
     weights = state.params + state.buffers
     copy = precision.autocast_copy_bytes
-    # Under checkpointing the blocks' weight copies leave with the forward's autocast cache; the LM head's stays.
-    after_forward = weights + (copy * d * vocab if config.checkpoint else state.autocast_weights) + acts.total
+    layer_copies = copy * (4 * d * d + 3 * d * d_ff)
+    after_forward = weights + kept_weight_copies(config, precision) + acts.total
     forward = weights + state.autocast_weights + acts.total
     if attention == "naive":
-        forward = max(forward, weights + _written_out_forward(config, batch_size, seq, precision, device, acts, block))
+        in_attention = written_out_forward_peak(config, batch_size, seq, precision, device, acts, block)
+        forward = max(forward, weights + in_attention)
 
     # The loss's backward briefly holds one more fp32 logits-sized gradient, and the bool mask of
     # amax's gradient, than the forward kept.
@@ -267,16 +312,16 @@ def peak_memory(config: TransformerConfig, batch_size: int, seq: int, precision:
     # with it, at the top of some segment. A recomputed block's forward holds what its attention's backward
     # will, but two score-sized tensors where that holds three or four: it peaks lower.
     layer_grads = grad * (4 * d * d + 3 * d * d_ff + 2 * d)
-    layer_copies = copy * (4 * d * d + 3 * d * d_ff)
     w2_copy = copy * d * d_ff
     in_block_peak = grad * d * d_ff - w2_copy + 2 * tokens * d_ff * low  # SwiGLU's backward
     if attention == "naive":
-        in_block_peak = max(in_block_peak, _written_out_backward(config, batch_size, seq, precision, device, block))
-    layers = config.num_layers
+        in_block_peak = max(in_block_peak, written_out_backward_peak(config, batch_size, seq, precision, device, block))
+    layers, keep = config.num_layers, config.checkpoint_keep
     shared = residual if precision.weights == torch.float32 else 0  # a norm saves an fp32 input as it is
 
     def in_block(i: int) -> int:  # blocks above i are done
-        held = held_in_backward(config.checkpoint, i, acts.per_layer + layer_copies, residual, shared)
+        held = held_in_backward(config.checkpoint, i, acts.per_layer + layer_copies, residual, shared,
+                                checkpointed=layers - keep, selected=acts.selected, untaken=acts.untaken)
         return weights + grad * (d * vocab + d) + (layers - 1 - i) * layer_grads + held + residual + in_block_peak
 
     all_grads = weights + state.grads
@@ -295,45 +340,6 @@ def peak_memory(config: TransformerConfig, batch_size: int, seq: int, precision:
                       train_step=train_step)
 
 
-def _written_out_forward(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, device: str,
-                         acts: Activations, block: _BlockActivations) -> int:
-    """Written-out attention's forward peak, weights aside: inside the top block's attention, or under
-    checkpointing in the block whose forward holds the most segment inputs, with the autocast weight copies
-    made so far and qkv's output, whose views q, k and v are."""
-    copy = precision.autocast_copy_bytes
-    d, d_ff = config.d_model, config.d_ff
-    act = batch_size * seq * d * precision.compute.itemsize
-    scores = written_out_scores(config, batch_size, seq, precision, device)
-
-    def in_attention(i: int, held: int) -> int:
-        return i * copy * (4 * d * d + 3 * d * d_ff) + copy * 3 * d * d + held + 3 * act + scores.forward_working_set
-
-    residual = acts.segment_input
-    if not config.checkpoint:
-        # The blocks below saved, this one's saves up to q and k; under autocast one more residual-stream tensor,
-        # unsaved: the fp32 norm output that qkv takes a cast of, or the bf16 block input the norm saves in fp32.
-        top = config.num_layers - 1
-        unsaved = residual if precision.uses_autocast else 0
-        return in_attention(top, top * acts.per_layer + block.attention_in + unsaved)
-    # Nothing is saved inside a segment: the inputs alive, the norm's output (qkv's input), q and k.
-    return max(in_attention(i, (inputs_in_forward(config.checkpoint, i) + 1) * residual + 2 * act)
-               for i in range(config.num_layers))
-
-
-def _written_out_backward(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, device: str,
-                          block: _BlockActivations) -> int:
-    """What a block's backward holds inside written-out attention's softmax backward beyond the activations held
-    at its start and the residual stream's gradient: the gradients of the FFN, its norm and the out projection,
-    less what their backward has freed (the FFN's activations, the out projection's input, what P @ V kept,
-    those layers' weight copies); V's gradient, waiting for q's and k's; and the softmax's working set."""
-    d, d_ff = config.d_model, config.d_ff
-    later_weights = d * d + 3 * d * d_ff  # out, w1, w3, w2
-    freed = block.ffn + block.attention_out + precision.autocast_copy_bytes * later_weights
-    v_grad = batch_size * seq * d * precision.compute.itemsize
-    scores = written_out_scores(config, batch_size, seq, precision, device)
-    return precision.grad_bytes * (later_weights + d) - freed + v_grad + scores.backward_working_set
-
-
 def nested_checkpoint(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, *,
                       attention: str | None = None, device: str = "cuda") -> tuple[int, ...]:
     """The two-level `checkpoint` sizes whose forward and backward peak least (checkpointing.py says why)."""
@@ -342,16 +348,31 @@ def nested_checkpoint(config: TransformerConfig, batch_size: int, seq: int, prec
         peak = peak_memory(checkpointed, batch_size, seq, precision, attention=attention, device=device)
         return peak.forward_backward
 
-    return least_peak_levels(config.num_layers, peak)
+    return least_peak_levels(config.num_layers - config.checkpoint_keep, peak)
+
+
+def checkpointed(scheme: Checkpointing, config: TransformerConfig, batch_size: int, seq: int, precision: Precision,
+                 *, attention: Attention | None = None, device: str = "cuda") -> TransformerConfig:
+    """`config` checkpointed as `scheme` says: its levels (nested's least-peak ones for this model and batch), the
+    blocks it leaves out and what its segments keep."""
+    # Nested's levels are chosen with the blocks left out already left out; (1,) stands in until then.
+    config = dataclasses.replace(config, checkpoint=(1,) if scheme.levels is None else scheme.levels,
+                                 checkpoint_keep=scheme.keep, checkpoint_saves=scheme.saves)
+    if scheme.levels is not None:
+        return config
+    levels = nested_checkpoint(config, batch_size, seq, precision, attention=attention, device=device)
+    return dataclasses.replace(config, checkpoint=levels)
 
 
 def checkpoint_levels(scheme: Checkpointing, config: TransformerConfig, batch_size: int, seq: int,
                       precision: Precision, *, attention: Attention | None = None,
                       device: str = "cuda") -> tuple[int, ...]:
-    """`TransformerConfig.checkpoint` for a scheme: its own levels, or nested's for this model and batch."""
-    if scheme.levels is not None:
-        return scheme.levels
-    return nested_checkpoint(config, batch_size, seq, precision, attention=attention, device=device)
+    """`TransformerConfig.checkpoint` for a scheme that sets nothing else: its own levels, or nested's for this
+    model and batch. A selective scheme sets more: `checkpointed` builds its config."""
+    if scheme.keep or scheme.saves != Saves.INPUTS:
+        raise ValueError(f"checkpointing {str(scheme)!r} also sets checkpoint_keep and checkpoint_saves: build the "
+                         "config with systems.accounting.checkpointed(scheme, config, ...)")
+    return checkpointed(scheme, config, batch_size, seq, precision, attention=attention, device=device).checkpoint
 
 
 def largest_context(config: TransformerConfig, batch_size: int, precision: Precision, *, capacity: int = H100_BYTES,

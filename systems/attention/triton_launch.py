@@ -14,6 +14,7 @@ import math
 
 import torch
 import triton
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 from triton.compiler.errors import CompileTimeAssertionFailure
 from triton.runtime.errors import PTXASError
 
@@ -54,6 +55,12 @@ INTERPRETED_L2_BYTES = 64 * 2**10
 def interpreted() -> bool:
     """Whether the kernels run in Triton's interpreter, which Triton decided when it defined them."""
     return not isinstance(fwd_kernel, triton.JITFunction)
+
+
+def through_dispatcher() -> bool:
+    """Whether a launch must go through its custom op: under torch.compile (Dynamo cannot trace a launch), and
+    under a dispatch mode (selective activation checkpointing saves an op's outputs only if it sees the op)."""
+    return torch.compiler.is_compiling() or _get_current_dispatch_mode() is not None
 
 
 def _index_interpreted_scalars_of_any_rank() -> None:
@@ -237,7 +244,8 @@ def _attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: to
 
 # Under torch.compile the launches are custom ops, opaque to it: inside them sizes are plain ints, so the
 # host-side decisions (tiles, key splits, launch order, the tile cache) never meet symbolic sizes, and a
-# compiled caller neither breaks its graph nor recompiles for each new sequence length.
+# compiled caller neither breaks its graph nor recompiles for each new sequence length. Under a dispatch mode
+# too (through_dispatcher), so that selective checkpointing can keep the forward's outputs.
 flash_attention_forward = torch.library.custom_op("systems::flash_attention_forward", _attention_forward,
                                                   mutates_args=())
 flash_attention_backward = torch.library.custom_op("systems::flash_attention_backward", _attention_backward,
@@ -257,8 +265,8 @@ def _(q, k, v, o, do, lse, is_causal):
 class FlashAttentionTriton(torch.autograd.Function):
     """`FlashAttentionTriton.apply(q, k, v, is_causal=False)`: q (batch, [heads,] n_queries, d), d <= 128.
 
-    Eager calls run the launches directly: the custom ops' dispatch costs tens of microseconds a call, much of
-    the host time of a short sequence.
+    Eager calls run the launches directly, outside any dispatch mode: the custom ops' dispatch costs tens of
+    microseconds a call, much of the host time of a short sequence.
     """
 
     @staticmethod
@@ -270,13 +278,13 @@ class FlashAttentionTriton(torch.autograd.Function):
         if interpreted() and q.dtype == torch.bfloat16:
             raise TypeError("FlashAttentionTriton cannot run bfloat16 under TRITON_INTERPRET=1: the interpreter's "
                             "bf16 tl.dot gives wrong results; use float16 or float32 there, bfloat16 on a GPU")
-        attend = flash_attention_forward if torch.compiler.is_compiling() else _attention_forward
+        attend = flash_attention_forward if through_dispatcher() else _attention_forward
         o, lse = attend(q, k, v, is_causal)
         return save_for_recompute(ctx, q, k, v, o, lse, is_causal)
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, is_causal = saved_for_recompute(ctx)
-        gradients = flash_attention_backward if torch.compiler.is_compiling() else _attention_backward
+        gradients = flash_attention_backward if through_dispatcher() else _attention_backward
         dq, dk, dv = gradients(q, k, v, o, do, lse, is_causal)
         return dq, dk, dv, None

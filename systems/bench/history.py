@@ -25,7 +25,7 @@ import pytest
 from pytest_benchmark.storage.file import FileStorage
 from pytest_benchmark.utils import RegressionCheck, safe_dumps
 
-from systems.bench.schema import SCHEMA
+from systems.bench.schema import SchemaError, check_schema
 from systems.bench.workers import WORKER_STOPPED
 
 COMPLETE = "systems_lab_complete"  # False in the history of a run that stopped early
@@ -53,11 +53,10 @@ def check_history(path: Path, history) -> dict:
 
     if not isinstance(history, dict) or not isinstance(history.get("benchmarks"), list):
         raise bad("not a pytest-benchmark history (no list of benchmarks)")
-    schema = history.get("systems_lab_schema")
-    if schema is not None and schema != SCHEMA:
-        raise bad(f"saved with schema {schema!r} (this code reads {SCHEMA}): a newer schema? update systems-lab")
-    if schema is None and "systems_lab" in (history.get("machine_info") or {}):
-        raise bad("saved before the benchmark schema; migrate it once with `python -m systems.bench.migrate FILE`")
+    try:
+        check_schema(history)
+    except SchemaError as exc:
+        raise bad(str(exc)) from None
     for index, bench in enumerate(history["benchmarks"]):
         if not isinstance(bench, dict) or not isinstance(bench.get("fullname"), str):
             raise bad(f"benchmark {index} has no fullname")

@@ -1,4 +1,5 @@
-"""Histories saved before the typed schema (systems.bench.schema, version 2), rewritten into it, once.
+"""Histories saved before the typed schema (systems.bench.schema), or at an older version of it, rewritten into
+the current one, once.
 
     python -m systems.bench.migrate [HISTORY.json ...]   # default: every history under .benchmarks/
 
@@ -6,8 +7,9 @@ Older histories kept a point's fields among its figures, or only in its test id,
 that changed from run to run. This is the one place that still reads them: each benchmark becomes its point and
 its measured dataclass, stored whole, under the new test id of its point; its out-of-memory points likewise;
 fields an old run did not record are what it ran with (the grid's default, or its sibling points' value), or
-None where the schema says a figure may be absent. A history already at the schema is left alone. The report
-reads only the schema; for an older file it names this command.
+None where the schema says a figure may be absent. A history at schema 2 gains the fields its points' kinds have
+since (`LATER_FIELDS`: what every run before them ran with); its ids stand. A history already at the schema is
+left alone. The report reads only the schema; for an older file it names this command.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import re
 import sys
 from pathlib import Path
 
-from systems.accounting.checkpointing import Checkpointing
 from systems.bench.breakdown import StepBreakdown
 from systems.bench.schema import (ATTENTION_SWEEPS, MEASURED, POINT, SCHEMA, AllReduceMeasured, AttentionMeasured,
                                   CheckpointMeasured, ContextSearchMeasured, DDPMeasured, FSDPMeasured,
@@ -27,6 +28,8 @@ from systems.bench.schema import (ATTENTION_SWEEPS, MEASURED, POINT, SCHEMA, All
 from systems.model import get_config
 
 EDITION = "2025"  # every history before the schema named the 2025 edition's presets
+# Point fields added after schema 2, by kind, with what every run before them ran with: no fused kernels, eager.
+LATER_FIELDS = {"fullstep": {"fused": "none", "compile": False}, "checkpoint": {"fused": "none", "compile": False}}
 DEFAULT_BATCH, DEFAULT_ATTENTION = 4, "sdpa"  # the grid's defaults then, where a run did not record its own
 KIND_OF_TEST = {"test_model": "model", "test_warmup_study": "warmup", "test_handout_sweep": "attention",
                 "test_flash_sweep": "attention", "test_leaderboard": "attention",
@@ -44,9 +47,22 @@ NUMBERS = {"context": int, "seq": int, "d": int, "world_size": int, "bucket_size
 
 def migrate(history: dict) -> dict:
     """The history at the schema: its benchmarks and out-of-memory points rewritten, the rest as it was."""
+    if history.get("systems_lab_schema") == 2:
+        return _from_schema_2(history)
     siblings = _siblings(history["benchmarks"])
     benchmarks = [_benchmark(bench, siblings) for bench in history["benchmarks"]]
     oom = [_out_of_memory(entry, siblings) for entry in history.get("out_of_memory", [])]
+    return {**history, "benchmarks": benchmarks, "out_of_memory": oom, "systems_lab_schema": SCHEMA}
+
+
+def _from_schema_2(history: dict) -> dict:
+    """Schema 2's points with the fields added since, as they ran."""
+    def complete(point: dict) -> dict:
+        return {**point, **LATER_FIELDS.get(point["kind"], {})}
+
+    benchmarks = [{**bench, "extra_info": {**bench["extra_info"], POINT: complete(bench["extra_info"][POINT])}}
+                  if POINT in (bench.get("extra_info") or {}) else bench for bench in history["benchmarks"]]
+    oom = [{**entry, POINT: complete(entry[POINT])} for entry in history.get("out_of_memory", [])]
     return {**history, "benchmarks": benchmarks, "out_of_memory": oom, "systems_lab_schema": SCHEMA}
 
 
@@ -144,12 +160,13 @@ def _point(kind: str, test: str, old: dict, name: str, siblings: dict) -> dict:
         if kind == "fullstep":
             blocks = old["checkpoint_blocks"]
             record |= {"attention": old["attention"], "loss_chunk": old["loss_chunk"],
-                       "checkpoint": "none" if blocks is None else f"every{blocks}"}
+                       "checkpoint": "none" if blocks is None else f"every{blocks}", **LATER_FIELDS[kind]}
         return record
     scheme = f"every{old['blocks']}" if old["scheme"] == "blocks" else old["scheme"]
     fields = ("preset", "batch", "precision", "attention") + (("context",) if kind == "checkpoint" else
                                                               ("start", "limit"))
-    return {"kind": kind, **common, "scheme": scheme, **{key: old[key] for key in fields}}
+    return {"kind": kind, **common, "scheme": scheme, **{key: old[key] for key in fields},
+            **LATER_FIELDS.get(kind, {})}
 
 
 def _config(point, **levers) -> dict:

@@ -17,13 +17,15 @@ import pytest
 
 from systems.accounting.checkpointing import Checkpointing
 from systems.attention.backends import BENCHED_BACKENDS
-from systems.model import DEFAULT_EDITION, EDITIONS, Attention
+from systems.choice import on_off
+from systems.model import DEFAULT_EDITION, EDITIONS, Attention, Fused
 from systems.parallel.fsdp import Gather, check_prefetch
 from systems.parallel.mesh import Layout
 from systems.parallel.ranks import BACKENDS
 from systems.parallel.spec import Variant, check_data_layout
 from systems.parallel.swiglu import FFNLayout
 from systems.precision import DTYPES, Precision, get_precision
+from systems.recompute import Saves
 
 def _number(kind: type, text: str):
     try:
@@ -153,7 +155,13 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
                "a training step here"),
         Option("--checkpoint", _checkpointing, "none,every1,nested",
                "checkpointing schemes (bench_checkpoint, bench_fullstep): none, everyK (segments of K blocks), "
-               "KxK (two levels, e.g. 6x1), nested (the two levels of least peak memory)", many=True),
+               "KxK (two levels, e.g. 6x1), nested (the two levels of least peak memory), attn or ops (blocks keeping "
+               "attention's outputs, or those and the matmuls'); -keepN after any but none leaves the top N blocks "
+               "out (every1-keep8)", many=True),
+        Option("--fused", Fused, "none", "the model's fused Triton kernels (bench_checkpoint, bench_fullstep): none, "
+               "all, or one of rmsnorm, rope, swiglu, loss", many=True),
+        Option("--compile-blocks", on_off, "off", "torch.compile of each block (bench_checkpoint, bench_fullstep): "
+               "off and/or on", many=True),
         Option("--max-context", _positive(int), "256",
                "bench_checkpoint's context search doubles from the first of --contexts up to this"),
     ]),
@@ -266,6 +274,10 @@ def configure_grid(config) -> Grid:
             if name not in presets:
                 raise pytest.UsageError(f"{OPTIONS[dest].flag}: no preset {name!r} in the {values['edition']} "
                                         f"edition; choose from {', '.join(presets)} (--edition chooses the table)")
+    selective = [str(scheme) for scheme in values["checkpoint"] if scheme.saves != Saves.INPUTS]
+    if selective and True in values["compile_blocks"]:
+        raise pytest.UsageError(f"--checkpoint {','.join(selective)} with --compile-blocks on: op-level selection "
+                                "cannot see inside a compiled block; compile only with the other schemes")
     grid = config.stash[GRID] = Grid(values)
     return grid
 

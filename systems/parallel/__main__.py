@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from systems.choice import on_off
 from systems.parallel.parallelize import full_parameters
 from systems.parallel.ranks import BACKENDS, init_from_env
 from systems.parallel.spec import TrainSpec
@@ -111,7 +112,7 @@ def _optional_int(text: str) -> int | None:
 
 # Fields whose text is a number; the others (names, schemes, presets, layouts) go to TrainSpec's parsers as text.
 _FIELD_TYPES = {"batch_size": int, "context": int, "warmup": int, "steps": int, "seed": int, "lr": float,
-                "fsdp_prefetch": int, "bucket_size_mb": float, "loss_chunk": _optional_int}
+                "fsdp_prefetch": int, "bucket_size_mb": float, "loss_chunk": _optional_int, "compile": on_off}
 
 
 def print_result(result: dict) -> None:

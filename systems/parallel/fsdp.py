@@ -38,14 +38,17 @@ the replicated parameters' gradients over the shard group, then over the replica
 every rank.
 
 Every rank must run the same sharded modules in the same order (as with torch's FSDP): the gathers are
-collectives. Autocast makes its own low-precision copy of an fp32 weight, which autograd then keeps; give
-`compute_dtype` instead, and the gathered weight is already in it. `gathered` (bytes of gathered weights
+collectives. Inside blocks compiled by torch.compile (TransformerConfig.compile) the hooks run eagerly, each a
+graph break between the block's graphs, the same every step (tests/test_compile.py), and dispatch modes
+(selective checkpointing's) do not see them. Autocast makes its own low-precision copy of an fp32 weight, which
+autograd then keeps; give `compute_dtype` instead, and the gathered weight is already in it. `gathered` (bytes of gathered weights
 alive, and their peak) and `gather_wait` (the time the compute stream waited on all-gathers,
 systems.parallel.collectives.WaitClock) are what the benchmark measures.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections import deque
@@ -54,6 +57,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from systems.choice import Choice
 from systems.parallel.collectives import WaitClock, all_gather, all_reduce_mean, reduce_scatter_mean
@@ -222,8 +226,8 @@ class FSDP(nn.Module):
             if compute_dtype is not None:  # its bias, say: cast while the module runs, as its weight is gathered
                 self._cast[submodule] = {name: p for name, p in submodule._parameters.items()
                                          if p is not None and p.is_floating_point()}
-            submodule.register_forward_pre_hook(self._before)
-            submodule.register_forward_hook(self._after)
+            submodule.register_forward_pre_hook(_unseen(self._before))
+            submodule.register_forward_hook(_unseen(self._after))
         self.units = list(units.values())
         self.groups = _groups(module, self.units, gather)
         self.shards = nn.ParameterList(unit.shard for unit in self.units)  # first in parameters()
@@ -468,6 +472,20 @@ class FSDP(nn.Module):
             else:
                 full[name] = owner.detach().clone()
         return full
+
+
+def _unseen(hook: Callable) -> Callable:
+    """A module hook that runs eagerly inside a compiled block (TransformerConfig.compile: gathers, their waits and
+    bookkeeping are Python Dynamo cannot trace; each is one graph break, the same every step), and out of sight of
+    dispatch modes: selective checkpointing's counts every op of a checkpointed block to replay its choices in the
+    recomputation, where the gathers differ (the forward prefetches past the block, the recomputation does not)."""
+    @torch.compiler.disable
+    @functools.wraps(hook)
+    def run(*args):
+        with _disable_current_modes():
+            return hook(*args)
+
+    return run
 
 
 def _saved_units(group: _Group) -> list[_Unit]:

@@ -9,14 +9,13 @@ group exists (`layout_for`, called by `train`). `parallelize` (systems.parallel.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 from systems.accounting.checkpointing import Checkpointing
-from systems.accounting.transformer import checkpoint_levels
+from systems.accounting.transformer import checkpointed
 from systems.choice import Choice
 from systems.loss import check_chunk
-from systems.model import DEFAULT_EDITION, Attention, TransformerConfig, get_config
+from systems.model import DEFAULT_EDITION, Attention, Fused, TransformerConfig, get_config
 from systems.parallel.fsdp import DEFAULT_GATHER, DEFAULT_PREFETCH, Gather, check_prefetch
 from systems.parallel.mesh import Layout
 from systems.precision import PRECISIONS, Precision, get_precision
@@ -84,11 +83,14 @@ class TrainSpec:
     steps: int = 5  # timed, after the warm-up steps
     lr: float = 1e-3
     seed: int = 0
-    # The model's levers (systems.model.TransformerConfig): which blocks the backward recomputes, tokens per
-    # chunk of the chunked cross-entropy (None: the whole logits), the attention backend.
+    # The model's levers (systems.model.TransformerConfig): which blocks the backward recomputes and what it
+    # keeps, tokens per chunk of the chunked cross-entropy (None: the whole logits), the attention backend, the
+    # fused Triton kernels, torch.compile of each block.
     checkpoint: Checkpointing = Checkpointing(())
     loss_chunk: int | None = None
     attention: Attention = Attention.SDPA
+    fused: Fused = Fused.NONE
+    compile: bool = False
     fsdp_prefetch: int = DEFAULT_PREFETCH  # our FSDP's all-gathers in flight ahead of the computing layer
     fsdp_gather: Gather = DEFAULT_GATHER  # our FSDP's collectives: one per layer's weight, or one per block
     # hsdp and torch-hsdp's replicas x shards ("2x2": two replicas, each sharded over two ranks); the other
@@ -97,7 +99,7 @@ class TrainSpec:
 
     def __post_init__(self):
         parsers = {"variant": Variant, "optimizer": Optimizer, "precision": get_precision, "attention": Attention,
-                   "fsdp_gather": Gather, "checkpoint": _checkpointing, "layout": _layout}
+                   "fused": Fused, "fsdp_gather": Gather, "checkpoint": _checkpointing, "layout": _layout}
         for name, parse in parsers.items():
             object.__setattr__(self, name, parse(getattr(self, name)))
         if self.variant.meshed and self.layout is None:
@@ -118,7 +120,7 @@ class TrainSpec:
             check_chunk(self.loss_chunk)
         if min(self.batch_size, self.context, self.steps) < 1 or self.warmup < 0:
             raise ValueError("batch_size, context and steps must be positive and warmup non-negative")
-        get_config(self.preset, self.edition, context_length=self.context)  # a known preset of the edition
+        self.config("cpu")  # a known preset of the edition, and model levers that go together
 
     def layout_for(self, world_size: int) -> Layout:
         """This run's layout on a process group of `world_size` ranks, which must be as many as it has."""
@@ -131,10 +133,8 @@ class TrainSpec:
     def config(self, device: str = "cuda") -> TransformerConfig:
         """The model this run trains; `device` ("cuda" or "cpu") decides nested checkpointing's sizes."""
         base = get_config(self.preset, self.edition, context_length=self.context, loss_chunk=self.loss_chunk,
-                          attention=self.attention)
-        levels = checkpoint_levels(self.checkpoint, base, self.batch_size, self.context, self.precision,
-                                   device=device)
-        return dataclasses.replace(base, checkpoint=levels)
+                          attention=self.attention, fused=self.fused, compile=self.compile)
+        return checkpointed(self.checkpoint, base, self.batch_size, self.context, self.precision, device=device)
 
 
 def _checkpointing(scheme: Checkpointing | str) -> Checkpointing:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from systems.accounting import BucketedAllReduce, count_parameters, fit_bucketed_allreduce
+from systems.accounting import BucketedAllReduce, Checkpointing, count_parameters, fit_bucketed_allreduce
 from systems.bench.schema import DDP_VARIANTS, FSDP_VARIANTS, Phases, Point
 from systems.model import get_config
 from systems.parallel.spec import Variant
@@ -199,9 +199,9 @@ def point_cells(point: Point, keys: list[str]) -> list[str]:
         if key not in fields:
             return ""
         value = getattr(point, key)
-        if key == "checkpoint":
-            levels = value.levels
-            return "none" if not levels else str(levels[0]) if len(levels) == 1 else str(value)
+        if key == "checkpoint":  # one level of segments by their size, as the tables' "checkpoint" column says
+            plain = value.levels is not None and len(value.levels) == 1 and value == Checkpointing(value.levels)
+            return str(value.levels[0]) if plain else str(value)
         return LEVERS_OFF[key] if value is None and key in LEVERS_OFF else number(value)
 
     return [cell(key) for key in keys]

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from systems.bench.history import is_complete
-from systems.bench.schema import MEASURED, POINT, SCHEMA, Measured, Point, SchemaError, read_measured, read_point
+from systems.bench.schema import (MEASURED, POINT, Measured, Point, SchemaError, check_schema, read_measured,
+                                  read_point)
 
 RUN_RANGE = re.compile(r"(?P<first>\d+)-(?P<last>\d+)")  # --run 16-20
 
@@ -171,7 +172,7 @@ def _read(path: Path) -> dict:
 def load_run(path: Path) -> Run:
     data = _read(path)
     try:
-        _check_schema(data)
+        check_schema(data)
         return Run(
             paths=(path,),
             machine=_describe_machine(data.get("machine_info") or {}),
@@ -184,17 +185,6 @@ def load_run(path: Path) -> Run:
         raise ReportError(f"{path}: {exc}") from None
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ReportError(f"{path} is not a pytest-benchmark history ({type(exc).__name__}: {exc})") from None
-
-
-def _check_schema(data: dict) -> None:
-    """A history of ours names its schema; one from before it must be migrated, one from after it is unknown."""
-    schema = data.get("systems_lab_schema")
-    if schema is None and "systems_lab" in (data.get("machine_info") or {}):
-        raise SchemaError("saved before the benchmark schema; migrate it once with `python -m systems.bench.migrate "
-                          "FILE`")
-    if schema is not None and schema != SCHEMA:
-        raise SchemaError(f"saved with schema {schema!r} (this code reads {SCHEMA}): a newer schema? update "
-                          "systems-lab")
 
 
 def _result(bench: dict) -> Result:

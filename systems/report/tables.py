@@ -3,12 +3,12 @@ hold no point (another project's), and the comparison of two runs. Results are s
 
 from __future__ import annotations
 
-import dataclasses
 from collections import defaultdict
 
-from systems.accounting import checkpoint_levels, model_state, peak_memory
+from systems.accounting import Checkpointing, checkpointed, model_state, peak_memory
 from systems.bench.schema import ATTENTION_PASSES, MODEL_PHASES, CheckpointPoint, ModelPoint
 from systems.model import get_config
+from systems.recompute import Saves
 from systems.report.breakdown import breakdown_tables
 from systems.report.course import course_tables
 from systems.report.distributed import allreduce_tables, ddp_tables, fsdp_tables, fullstep_tables, optimizer_tables
@@ -178,9 +178,11 @@ def checkpoint_tables(run: Run) -> list[Table]:
 
 
 def _scheme_order(name: str) -> tuple:
-    """none first, then one level by segment size, then two levels, nested last."""
-    levels = [int(k) for k in name.removeprefix("every").split("x")] if name not in ("none", "nested") else []
-    return (name != "none", name == "nested", len(levels), levels)
+    """none first, then one level by segment size, then two levels, nested; each before its selective forms."""
+    scheme = Checkpointing.parse(name)
+    levels = scheme.levels or ()
+    return (scheme.levels != (), scheme.levels is None, len(levels), levels, scheme.saves != Saves.INPUTS,
+            str(scheme.saves), scheme.keep)
 
 
 def _ratio(result: Result, baseline, figure) -> str:
@@ -192,9 +194,8 @@ def _ratio(result: Result, baseline, figure) -> str:
 def _predicted_step(point: CheckpointPoint) -> list[str]:
     """The accounting's peak and activation memory of a point that ran out of memory, in MiB."""
     config = get_config(point.preset, point.edition, attention=point.attention, context_length=point.context)
-    levels = checkpoint_levels(point.scheme, config, point.batch, point.context, point.precision)
-    peak = peak_memory(dataclasses.replace(config, checkpoint=levels), point.batch, point.context,
-                       point.precision).train_step
+    config = checkpointed(point.scheme, config, point.batch, point.context, point.precision)
+    peak = peak_memory(config, point.batch, point.context, point.precision).train_step
     state = model_state(config, point.precision).training
     return ["", mib(peak), "", mib(peak - state), "", ""]
 

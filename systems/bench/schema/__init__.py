@@ -16,7 +16,7 @@ from systems.bench.schema.layouts import (LAYOUT_BUCKET_MB, LAYOUT_VARIANTS, Axi
                                           LayoutPoint)
 from systems.bench.schema.model import (MODEL_PHASES, CheckpointMeasured, CheckpointPoint, ContextSearchMeasured,
                                         ContextSearchPoint, ModelMeasured, ModelPoint, WarmupMeasured, WarmupPoint)
-from systems.bench.schema.records import SCHEMA, NewerSchema, SchemaError, from_record, to_record
+from systems.bench.schema.records import SCHEMA, NewerSchema, SchemaError, check_schema, from_record, to_record
 
 __all__ = ["ATTENTION_PASSES", "ATTENTION_SWEEPS", "AllReduceMeasured", "AllReducePoint", "AttentionMeasured",
            "AttentionPoint", "AxisComm", "CheckpointMeasured", "CheckpointPoint", "CollectiveBandwidth",
@@ -26,4 +26,4 @@ __all__ = ["ATTENTION_PASSES", "ATTENTION_SWEEPS", "AllReduceMeasured", "AllRedu
            "LayoutMeasured", "LayoutPoint", "LeaderboardMeasured", "LeaderboardPoint", "MEASURED", "MODEL_PHASES",
            "Measured", "ModelMeasured", "ModelPoint", "NewerSchema", "OptimizerMeasured", "OptimizerPoint", "POINT",
            "Passes", "Phases", "Point", "SCHEMA", "SchemaError", "Throughput", "TrainingMeasured", "WarmupMeasured",
-           "WarmupPoint", "from_record", "read_measured", "read_point", "to_record"]
+           "WarmupPoint", "check_schema", "from_record", "read_measured", "read_point", "to_record"]

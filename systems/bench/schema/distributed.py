@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from systems.accounting.checkpointing import Checkpointing
 from systems.bench.breakdown import StepBreakdown
 from systems.bench.schema.base import Measured, Point, Throughput
-from systems.model import Attention
+from systems.bench.schema.model import kernel_levers
+from systems.model import Attention, Fused
 from systems.parallel.fsdp import Gather
 from systems.parallel.spec import Optimizer, Variant
 from systems.precision import Precision
@@ -187,8 +188,8 @@ class FullStepMeasured(FSDPMeasured):
 
 class FullStepPoint(TrainingShape, Point, kind="fullstep", measured=FullStepMeasured):
     """A whole training step with its levers: a variant of systems.parallel.train (our FSDP for the leaderboard's
-    model), the attention backend, a checkpointing scheme and the cross-entropy `loss_chunk` tokens at a time
-    (None: the whole logits)."""
+    model), the attention backend, a checkpointing scheme, the cross-entropy `loss_chunk` tokens at a time
+    (None: the whole logits), the fused kernels and regional compilation."""
 
     variant: Variant
     attention: Attention
@@ -196,8 +197,10 @@ class FullStepPoint(TrainingShape, Point, kind="fullstep", measured=FullStepMeas
     loss_chunk: int | None
     gather: Gather | None
     prefetch: int | None
+    fused: Fused = Fused.NONE  # the model's fused Triton kernels
+    compile: bool = False  # each block through torch.compile
 
     def __str__(self) -> str:
         loss = "full" if self.loss_chunk is None else f"chunk{self.loss_chunk}"
         return (f"{self.variant}-{self.shape_id()}-{self.attention}-ckpt-{self.checkpoint}-loss-{loss}"
-                f"{_levers(self.variant, self.gather, self.prefetch)}")
+                f"{_levers(self.variant, self.gather, self.prefetch)}{kernel_levers(self.fused, self.compile)}")

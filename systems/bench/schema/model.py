@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from systems.accounting.checkpointing import Checkpointing
 from systems.bench.schema.base import Measured, Point, Throughput
-from systems.model import Attention
+from systems.model import Attention, Fused
 from systems.precision import Precision
 
 MODEL_PHASES = ("forward", "backward", "forward_backward", "step")
@@ -86,10 +86,20 @@ class CheckpointMeasured(Measured):
 
 
 class CheckpointPoint(ModelSettings, Point, kind="checkpoint", measured=CheckpointMeasured):
+    """A training step under a checkpointing scheme, with the model's fused kernels and regional compilation
+    (TransformerConfig.fused, .compile)."""
+
     scheme: Checkpointing
+    fused: Fused = Fused.NONE
+    compile: bool = False
 
     def __str__(self) -> str:
-        return f"{self.settings_id()}-{self.scheme}"
+        return f"{self.settings_id()}-{self.scheme}{kernel_levers(self.fused, self.compile)}"
+
+
+def kernel_levers(fused: Fused, compile: bool) -> str:
+    """The fused kernels and regional compilation in an id, where they are on (ids saved before them stand)."""
+    return ("" if fused == Fused.NONE else f"-fused-{fused}") + ("-compiled" if compile else "")
 
 
 @dataclass(frozen=True)

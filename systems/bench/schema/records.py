@@ -18,7 +18,9 @@ import typing
 from systems.accounting.checkpointing import Checkpointing
 from systems.precision import Precision, get_precision
 
-SCHEMA = 2  # the version of the histories this code writes and reads
+# The version of the histories this code writes and reads; 3 added the fused kernels and regional compilation to the
+# full-step and checkpointing points (systems.bench.migrate fills them in older histories).
+SCHEMA = 3
 
 
 class SchemaError(ValueError):
@@ -27,6 +29,20 @@ class SchemaError(ValueError):
 
 class NewerSchema(SchemaError):
     """A record with kinds or fields this code does not know: saved by a newer systems-lab."""
+
+
+def check_schema(history: dict) -> None:
+    """A history of ours names the schema it was saved with: an older one (or none) is migrated once, a newer one
+    needs newer code. A plain pytest-benchmark history names none and has nothing to check."""
+    schema = history.get("systems_lab_schema")
+    ours = schema is not None or "systems_lab" in (history.get("machine_info") or {})
+    if not ours or schema == SCHEMA:
+        return
+    if schema is None or (isinstance(schema, int) and schema < SCHEMA):
+        saved = "before the benchmark schema" if schema is None else f"with schema {schema}"
+        raise SchemaError(f"saved {saved} (this code reads {SCHEMA}); migrate it once with "
+                          "`python -m systems.bench.migrate FILE`")
+    raise NewerSchema(f"saved with schema {schema!r} (this code reads {SCHEMA}): a newer schema? update systems-lab")
 
 
 def to_record(value):

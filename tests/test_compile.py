@@ -1,0 +1,90 @@
+"""Regional torch.compile (TransformerConfig.compile: each block compiled, identical blocks sharing one graph) inside
+our FSDP and under activation checkpointing: the same losses and gradients as eager, within the rounding that
+reordered fp32 sums allow, and compiled once: no graph break or recompilation after the first step, and graph
+breaks only at FSDP's hooks, which run eagerly between a block's graphs.
+
+One spawn of 2 gloo ranks runs every case (without checkpointing, every block checkpointed, and that with the
+fused Triton kernels inside the compiled blocks): each rank runs the eager model in float64 (the reference,
+without the kernels, which compute in fp32), the eager model in fp32 and the compiled one, on the same rank
+batches, and reports each step's loss and the gradients of its shards and replicated parameters, and Dynamo's
+counters after each step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from spawned_ranks import results_by_rank
+from plain_error import check_near_plain
+from systems.model import TransformerLM, get_config
+from systems.parallel.fsdp import FSDP
+from systems.parallel.ranks import rank_device
+
+MODEL = get_config("tiny", vocab_size=101, d_model=32, num_heads=4, d_ff=88, context_length=16, num_layers=3)
+ROWS, SEQ, STEPS, SEED = 2, 9, 3, 1234
+# (checkpoint, fused)
+CASES = {"none": ((), "none"), "every1": ((1,), "none"), "every1-fused": ((1,), "all")}
+
+
+def run(levels: tuple[int, ...], fused: str, compile: bool, dtype: torch.dtype) -> dict:
+    """STEPS forward and backward passes through FSDP (no optimizer: every step sees the same weights), on this
+    rank's rows of fresh batches."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(SEED)
+    config = dataclasses.replace(MODEL, checkpoint=levels, fused=fused, compile=compile, loss_chunk=7)
+    with torch.device(rank_device()):
+        wrapped = FSDP(TransformerLM(config).to(dtype))
+    data = torch.Generator().manual_seed(SEED + dist.get_rank())
+    steps = []
+    for _ in range(STEPS):
+        batch = torch.randint(MODEL.vocab_size, (ROWS, SEQ + 1), generator=data).to(rank_device())
+        loss = wrapped(batch[:, :-1], batch[:, 1:])
+        loss.backward()
+        wrapped.finish_gradient_synchronization()
+        grads = [p.grad.detach().cpu().clone() for p in wrapped.parameters()]
+        wrapped.zero_grad(set_to_none=True)
+        steps.append({"loss": loss.detach().cpu(), "grads": grads,
+                      "graph_breaks": dict(counters["graph_break"]), "graphs": counters["stats"]["unique_graphs"],
+                      "recompiles": sum(counters["recompiles"].values())})
+    return steps
+
+
+def run_all() -> dict:
+    return {name: {"float64": run(levels, "none", False, torch.float64),
+                   "eager": run(levels, fused, False, torch.float32),
+                   "compiled": run(levels, fused, True, torch.float32)}
+            for name, (levels, fused) in CASES.items()}
+
+
+ranks = results_by_rank("ranks", run_all, gloo_world_sizes=(2,), timeout=900)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_compiled_blocks_match_eager(ranks, case):
+    """Each step's loss and every gradient on every rank against float64, within tests/plain_error.py's rule of
+    eager fp32's error: the compiled graphs compute the same function with other orders of the same fp32 sums,
+    and fuse ops eager rounds apart."""
+    for rank in ranks:
+        runs = rank[case]
+        for step, (exact, plain, compiled) in enumerate(zip(runs["float64"], runs["eager"], runs["compiled"])):
+            check_near_plain([compiled["loss"], *compiled["grads"]], [plain["loss"], *plain["grads"]],
+                             [exact["loss"], *exact["grads"]], f"step {step}, ")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_blocks_compile_once_breaking_only_at_fsdps_hooks(ranks, case):
+    """The first step compiles (identical blocks share the graphs; a later case may compile nothing new); later
+    steps and the recomputations run what it compiled, with no new graph, graph break or recompilation. Every
+    graph break is at a hook FSDP runs eagerly (torch.compiler.disable): a gather around each sharded layer. The
+    fused kernels' autograd Functions trace into the graphs (their launches are custom ops)."""
+    for rank in ranks:
+        first, *later = rank[case]["compiled"]
+        assert first["graphs"] > 0 and first["recompiles"] == 0
+        assert all((step["graphs"], step["graph_breaks"], step["recompiles"]) ==
+                   (first["graphs"], first["graph_breaks"], 0) for step in later)
+        assert first["graph_breaks"] and all("disable" in reason for reason in first["graph_breaks"])
