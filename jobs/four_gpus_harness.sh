@@ -5,8 +5,9 @@
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=. PYTHONUNBUFFERED=1 SYSTEMS_LAB_COMMIT=$1
 nvidia-smi -L | tee $OUT/gpus.txt
+KIND=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]*" | tr H h)x4
 start=$(date +%s)
-timeout 320 python -m pytest -n 4 tests/ -p no:cacheprovider -q -rs --durations=25 > $OUT/tests_n4.log 2>&1
+timeout -s INT -k 20 300 python -m pytest -n 4 tests/ -p no:cacheprovider -q -rs --durations=25 > $OUT/tests_n4.log 2>&1
 echo "tests -n 4: exit $?, $(( $(date +%s) - start )) s"
 grep -E "passed|failed|error" $OUT/tests_n4.log | tail -3
 grep -A6 "= GPU tests =" $OUT/tests_n4.log
@@ -15,16 +16,17 @@ grep -E "^FAILED|^ERROR" $OUT/tests_n4.log | head -20
 for mode in serial n4; do
     workers=$([ $mode = n4 ] && echo "-n 4" || echo "")
     start=$(date +%s)
-    timeout $([ $mode = n4 ] && echo 90 || echo 170) python -m pytest $workers benches/bench_model.py -k "test_model or test_warmup" \
+    timeout -s INT -k 20 $([ $mode = n4 ] && echo 80 || echo 160) python -m pytest $workers benches/bench_model.py -k "test_model or test_warmup" \
         --presets tiny,small,medium,large,xl,2.7b --contexts 256,512,1024,2048 --precisions bf16 \
-        --warmup-steps 3 --rounds 10 -p no:cacheprovider -q --benchmark-autosave \
-        --benchmark-save=h100x4-model-grid-$mode > $OUT/grid_$mode.log 2>&1
+        --warmup-steps 2 --rounds 5 -p no:cacheprovider -q --benchmark-autosave \
+        --benchmark-save=$KIND-model-grid-$mode > $OUT/grid_$mode.log 2>&1
     echo "grid $mode: exit $?, $(( $(date +%s) - start )) s"; tail -1 $OUT/grid_$mode.log
 done
-cp .benchmarks/Linux-CPython-3.12-64bit/*h100x4-model-grid-*.json $OUT/
-python - <<'PY'
-import glob, json, statistics
-runs = {mode: json.load(open(next(iter(glob.glob(f".benchmarks/*/*h100x4-model-grid-{mode}.json")))))
+cp .benchmarks/*/*$KIND-model-grid-*.json $OUT/
+KIND=$KIND python - <<'PY'
+import glob, json, os, statistics
+kind = os.environ["KIND"]
+runs = {mode: json.load(open(next(iter(glob.glob(f".benchmarks/*/*{kind}-model-grid-{mode}.json")))))
         for mode in ("serial", "n4")}
 medians = {mode: {b["fullname"]: b["stats"]["median"] for b in run["benchmarks"]} for mode, run in runs.items()}
 ratios = sorted(medians["n4"][name] / medians["serial"][name] for name in medians["serial"] if name in medians["n4"])
