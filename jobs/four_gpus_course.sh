@@ -7,7 +7,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=.:.course:.course/site PYTHONUNBUFFERED=1 SYSTEMS_LAB_COMMIT=$1
 export TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
-KIND=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9]*" | tr H h)x4
+KIND=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9][0-9]*" | head -1 | tr H h)x4
 LOGS=$(mktemp -d)
 
 run() {  # run NAME LIMIT COMMAND...: within LIMIT seconds (then interrupted: a benchmark saves a partial run)

@@ -164,14 +164,18 @@ def test_fused_cross_entropy_matches_float64(dtype, chunk):
     check({"loss": loss.cpu(), "hidden": hidden.grad.cpu(), "weight": weight.grad.cpu()}, expected, bounds)
 
 
-def custom_op_cases():
+CUSTOM_OPS = ("rms_norm_forward", "rms_norm_backward", "silu_mul_forward", "silu_mul_backward", "rope_forward",
+              "rope_backward", "cross_entropy_rows", "cross_entropy_logit_gradients_")
+
+
+def custom_op_cases() -> dict:
     """Each custom op with fresh inputs of odd sizes, as its autograd Function calls it."""
-    x, weight = torch.randn(3, 5, 40), torch.randn(40)
+    x, weight = fresh(3, 5, 40, dtype=torch.float32), fresh(40, dtype=torch.float32)
     y, rstd = kernels.rmsnorm.rms_norm_forward(x, weight, 1e-5)
-    a, b = torch.randn(3, 45), torch.randn(3, 45)
-    q, k, _ = torch.randn(2, 11, 3, 3, 12).permute(2, 0, 3, 1, 4)
-    rope = RotaryEmbedding(12, context_length=16, theta=500.0)
-    logits, targets = torch.randn(7, 300), torch.randint(300, (7,))
+    a, b = fresh(3, 45, dtype=torch.float32), fresh(3, 45, dtype=torch.float32)
+    q, k, _ = fresh(2, 11, 3, 3, 12, dtype=torch.float32).permute(2, 0, 3, 1, 4)
+    rope = RotaryEmbedding(12, context_length=16, theta=500.0).to(DEVICE)
+    logits, targets = fresh(7, 300, dtype=torch.float32), torch.randint(300, (7,), device=DEVICE)
     lse, _ = kernels.cross_entropy_rows(logits, targets)
     ops = torch.ops.systems
     return {"rms_norm_forward": (ops.rms_norm_forward, (x, weight, 1e-5)),
@@ -182,15 +186,16 @@ def custom_op_cases():
             "rope_backward": (ops.rope_backward, (q, k, rope.cos, rope.sin)),
             "cross_entropy_rows": (ops.cross_entropy_rows, (logits, targets)),
             "cross_entropy_logit_gradients_": (ops.cross_entropy_logit_gradients_,
-                                               (logits.clone(), targets, lse, torch.tensor(0.5)))}
+                                               (logits.clone(), targets, lse, torch.tensor(0.5, device=DEVICE)))}
 
 
-@pytest.mark.skipif(DEVICE.type == "cuda", reason="checked under the interpreter, whose tensors are CPU tensors")
-@pytest.mark.parametrize("name", list(custom_op_cases()))
+@pytest.mark.parametrize("name", CUSTOM_OPS)
 def test_custom_ops_describe_their_outputs(name):
     """torch.library.opcheck: the schema, the fake implementation's outputs (shapes, dtypes, strides) against the
     real ones, and the op under AOT autograd, as torch.compile runs it."""
-    op, args = custom_op_cases()[name]
+    cases = custom_op_cases()
+    assert set(cases) == set(CUSTOM_OPS)
+    op, args = cases[name]
     torch.library.opcheck(op, args)
 
 
