@@ -3,6 +3,10 @@ Triton's interpreter where there is no GPU, Hypothesis profiles, and fixtures.""
 
 from __future__ import annotations
 
+# The plugin first, also where the package is not installed (its pytest11 entry point loads it where it is):
+# under xdist it gives each worker its GPUs and threads, which must precede torch's first look at the GPUs below.
+import systems.bench.plugin  # noqa: F401, I001
+
 import os
 import zlib
 
@@ -10,7 +14,6 @@ import pytest
 import torch
 from hypothesis import settings
 
-# The plugin, also where the package is not installed (its pytest11 entry point loads it where it is).
 pytest_plugins = ["systems.bench.plugin", "pytester"]
 
 if not torch.cuda.is_available():

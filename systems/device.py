@@ -24,10 +24,11 @@ def synchronize(device: torch.device) -> None:
 def nvtx_range(name: str):
     """A named range of the step on a GPU: an NVTX range for nsys, and while torch.profiler runs one of its
     ranges too, for systems.bench.breakdown (a profiler range costs several times an NVTX one, and FSDP opens
-    one per collective). Under torch.compile's tracing the NVTX one only. Nothing off-GPU."""
-    if not torch.cuda.is_available():
+    one per collective). Nothing off-GPU, nor under torch.compile's tracing (Dynamo cannot trace an NVTX range,
+    and a graph break there would split the compiled region)."""
+    if not torch.cuda.is_available() or torch.compiler.is_compiling():
         return contextlib.nullcontext()
-    if torch.compiler.is_compiling() or not torch._C._autograd._profiler_enabled():
+    if not torch._C._autograd._profiler_enabled():
         return torch.cuda.nvtx.range(name)
     return _profiled_range(name)
 

@@ -63,6 +63,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         for rows in _chunks(len(targets), chunk):
             logits = softmax.logits(hidden[rows], cast)  # (chunk, vocab)
             log_norm[rows], losses[rows] = softmax.rows(logits, targets[rows])
+            del logits  # before the next chunk's matmul: one chunk of logits alive at a time
         ctx.save_for_backward(hidden, weight, targets, log_norm)
         ctx.chunk, ctx.dtype, ctx.softmax = chunk, dtype, softmax
         return losses.mean()
@@ -80,6 +81,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
             grad_logits = ctx.softmax.gradients_(logits, targets[rows], log_norm[rows], scale).to(ctx.dtype)
             grad_hidden[rows] = grad_logits @ cast
             grad_weight.add_(grad_logits.T @ hidden[rows].to(ctx.dtype))
+            del logits, grad_logits  # as in the forward
         return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 

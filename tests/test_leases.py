@@ -158,3 +158,18 @@ def test_a_lease_is_released_when_its_holder_dies(tmp_path):
         with GpuLocks(tmp_path, ["1", "0"]).lease(2):
             pass
     assert time.monotonic() - start < 5
+
+
+def test_the_root_conftest_shares_the_host_before_torch_looks_at_the_gpus():
+    """A checkout that is not installed loads the plugin from conftest.py, which asks torch whether there is a
+    GPU: by then the worker's GPU order must be set, or CUDA fixes every worker's cuda:0 on the same GPU."""
+    code = ("import os, torch\n"
+            "seen = []\n"
+            "torch.cuda.is_available = lambda: seen.append(os.environ['CUDA_VISIBLE_DEVICES']) or False\n"
+            "import conftest\n"
+            "print(seen)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PYTEST_XDIST_WORKER": "gw1", "PYTEST_XDIST_WORKER_COUNT": "2",
+           "CUDA_VISIBLE_DEVICES": "0,1"}
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['1,0']"]
