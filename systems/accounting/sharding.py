@@ -255,9 +255,9 @@ def _forward_and_loss(config, batch_size, seq, precision, rank, ahead, device) -
     logits = FP32 * chunk * vocab  # one chunk's fp32 logits
     low_logits = chunk * vocab * c if c < FP32 else 0  # the matmul's output before its cast to fp32, or after
     # Forward: log-sum-exp and losses per token; a chunk's fp32 logits and logsumexp's fp32 temporary (the
-    # logits less their max, exponentiated in place). From the second chunk on, the previous chunk's logits
-    # are alive until the new ones, and the matmul's output before their cast, are made.
-    forward = kept + 2 * FP32 * tokens + 2 * logits + (low_logits if tokens > chunk else 0)
+    # logits less their max, exponentiated in place), above the matmul's output and its cast alive together
+    # (the previous chunk's logits are freed first).
+    forward = kept + 2 * FP32 * tokens + 2 * logits
     # Backward: the weight's gradient summed in fp32 over the chunks; a chunk's softmax (in place of its
     # logits), its cast to the compute dtype, and its term of the weight's gradient, which the in-place add
     # promotes to fp32 first where it is not; at the end that sum cast to the compute dtype.

@@ -48,6 +48,7 @@ systems.parallel.collectives.WaitClock) are what the benchmark measures.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import math
@@ -57,7 +58,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
 from systems.choice import Choice
 from systems.parallel.collectives import WaitClock, all_gather, all_reduce_mean, reduce_scatter_mean
@@ -66,6 +68,7 @@ from systems.parallel.meters import GatheredMemory
 
 SHARDED_CLASS_NAMES = ("Linear", "Embedding")
 REDUCE_SCATTERS_IN_FLIGHT = 2  # a waited reduce-scatter frees its full-size gradients
+_RECOMPUTE_MODES = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)  # selective checkpointing's
 
 
 class Gather(Choice):
@@ -478,11 +481,15 @@ def _unseen(hook: Callable) -> Callable:
     """A module hook that runs eagerly inside a compiled block (TransformerConfig.compile: gathers, their waits and
     bookkeeping are Python Dynamo cannot trace; each is one graph break, the same every step), and out of sight of
     dispatch modes: selective checkpointing's counts every op of a checkpointed block to replay its choices in the
-    recomputation, where the gathers differ (the forward prefetches past the block, the recomputation does not)."""
+    recomputation, where the gathers differ (the forward prefetches past the block, the recomputation does not).
+    Other modes (IssuedCollectives counting a pass's collectives) still see the hook's ops."""
     @torch.compiler.disable
     @functools.wraps(hook)
     def run(*args):
-        with _disable_current_modes():
+        seeing = [mode for mode in _get_current_dispatch_mode_stack() if not isinstance(mode, _RECOMPUTE_MODES)]
+        with _disable_current_modes(), contextlib.ExitStack() as modes:
+            for mode in seeing:
+                modes.enter_context(mode)
             return hook(*args)
 
     return run
