@@ -16,7 +16,7 @@ from systems.bench.schema import (KINDS, MEASURED, POINT, SCHEMA, AllReducePoint
                                   DDPPoint, FSDPMeasured, FSDPPoint, ModelMeasured, ModelPoint, Point, SchemaError,
                                   read_measured, read_point, to_record)
 from systems.model import Attention, Fused
-from systems.parallel.fsdp import Gather
+from systems.parallel.fsdp_units import Gather
 from systems.parallel.spec import Variant
 from systems.precision import PRECISIONS
 from systems.report import main

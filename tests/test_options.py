@@ -12,7 +12,7 @@ import pytest
 from systems.accounting import Checkpointing
 from systems.attention import BENCHED_BACKENDS
 from systems.model import EDITIONS, Attention, Fused
-from systems.parallel.fsdp import Gather
+from systems.parallel.fsdp_units import Gather
 from systems.parallel.mesh import Layout
 from systems.parallel.spec import Variant
 from systems.precision import PRECISIONS

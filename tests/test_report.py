@@ -13,7 +13,7 @@ from systems.bench.schema import (AllReducePoint, AttentionMeasured, AttentionPo
                                   FullStepPoint, ModelMeasured, ModelPoint, OptimizerMeasured, OptimizerPoint,
                                   WarmupMeasured, WarmupPoint)
 from systems.model import get_config
-from systems.parallel.fsdp import Gather
+from systems.parallel.fsdp_units import Gather
 from systems.parallel.spec import Optimizer, Variant
 from systems.precision import PRECISIONS
 from systems.report import main

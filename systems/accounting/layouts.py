@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from systems.accounting.traffic import PASSES, StepCollective, ddp_collectives, fsdp_collectives
 from systems.model import TransformerConfig
-from systems.parallel.fsdp import DEFAULT_GATHER, Gather
+from systems.parallel.fsdp_units import DEFAULT_GATHER, Gather
 from systems.parallel.mesh import Layout
 from systems.precision import Precision
 

@@ -52,7 +52,8 @@ import torch
 from systems.accounting.checkpointing import held_in_backward, segment_starts
 from systems.accounting.transformer import activation_memory, count_parameters, model_state
 from systems.model import TransformerConfig
-from systems.parallel.fsdp import DEFAULT_GATHER, DEFAULT_PREFETCH, REDUCE_SCATTERS_IN_FLIGHT, Gather, check_prefetch
+from systems.parallel.fsdp import REDUCE_SCATTERS_IN_FLIGHT
+from systems.parallel.fsdp_units import DEFAULT_GATHER, DEFAULT_PREFETCH, Gather, check_prefetch
 from systems.parallel.mesh import Layout
 from systems.precision import FP32, Precision
 

@@ -33,7 +33,7 @@ from systems.accounting.sharding import block_weights, sharded_weights
 from systems.accounting.transformer import count_parameters
 from systems.model import TransformerConfig, TransformerLM
 from systems.parallel.ddp import fill_buckets
-from systems.parallel.fsdp import DEFAULT_GATHER, Gather
+from systems.parallel.fsdp_units import DEFAULT_GATHER, Gather
 from systems.parallel.mesh import Layout
 from systems.precision import Precision
 

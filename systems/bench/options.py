@@ -19,7 +19,7 @@ from systems.accounting.checkpointing import Checkpointing
 from systems.attention.backends import BENCHED_BACKENDS
 from systems.choice import on_off
 from systems.model import DEFAULT_EDITION, EDITIONS, Attention, Fused
-from systems.parallel.fsdp import Gather, check_prefetch
+from systems.parallel.fsdp_units import Gather, check_prefetch
 from systems.parallel.mesh import Layout
 from systems.parallel.ranks import BACKENDS
 from systems.parallel.spec import Variant, check_data_layout

@@ -14,9 +14,8 @@ a sharded module's own (a Linear's bias) is cast to `compute_dtype` with its wei
 its matmul sees one dtype. A step is `loss = f(fsdp(x)); loss.backward(); fsdp.finish_gradient_synchronization();
 optimizer.step()` with the optimizer over `fsdp.parameters()`: the shards and the replicated parameters.
 
-A "group" is what one collective covers (`gather`, a `Gather`): "layer", each weight on its own (the handout's);
-"block", the weights of every layer inside one element of an nn.ModuleList (a Transformer block, FSDP2's unit,
-the default); or the
+A group (systems.parallel.fsdp_units) is what one collective covers (`gather`): "layer", each weight alone (the
+handout's); "block", every layer's inside one element of an nn.ModuleList (FSDP2's unit, the default); or the
 layers inside each module a callable picks. A collective's host time hardly depends on its size, so per-layer
 collectives can leave the GPU waiting on the host (docs/perf-notes.md).
 
@@ -39,11 +38,10 @@ every rank.
 
 Every rank must run the same sharded modules in the same order (as with torch's FSDP): the gathers are
 collectives. Inside blocks compiled by torch.compile (TransformerConfig.compile) the hooks run eagerly, each a
-graph break between the block's graphs, the same every step (tests/test_compile.py), and dispatch modes
-(selective checkpointing's) do not see them. Autocast makes its own low-precision copy of an fp32 weight, which
-autograd then keeps; give `compute_dtype` instead, and the gathered weight is already in it. `gathered` (bytes of gathered weights
-alive, and their peak) and `gather_wait` (the time the compute stream waited on all-gathers,
-systems.parallel.collectives.WaitClock) are what the benchmark measures.
+graph break between the block's graphs, the same every step (tests/test_compile.py), and selective
+checkpointing's dispatch modes do not see them. Autocast makes its own low-precision copy of an fp32 weight,
+which autograd then keeps; give `compute_dtype` instead. `gathered` (bytes of gathered weights alive, and their
+peak) and `gather_wait` (the compute stream's wait on all-gathers) are what the benchmark measures.
 """
 
 from __future__ import annotations
@@ -51,7 +49,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import math
 from collections import deque
 from collections.abc import Callable
 
@@ -61,120 +58,14 @@ import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
-from systems.choice import Choice
 from systems.parallel.collectives import WaitClock, all_gather, all_reduce_mean, reduce_scatter_mean
+from systems.parallel.fsdp_units import (DEFAULT_GATHER, DEFAULT_PREFETCH, Gather, Group, Unit, check_compute_dtype,
+                                          check_prefetch, group_units, linear_or_embedding)
 from systems.parallel.mesh import Mesh
 from systems.parallel.meters import GatheredMemory
 
-SHARDED_CLASS_NAMES = ("Linear", "Embedding")
 REDUCE_SCATTERS_IN_FLIGHT = 2  # a waited reduce-scatter frees its full-size gradients
 _RECOMPUTE_MODES = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)  # selective checkpointing's
-
-
-class Gather(Choice):
-    """What one all-gather (and one reduce-scatter) covers: a layer's weight (the handout's), or every layer's of
-    a block (FSDP2's unit: one host call per block, see FSDP)."""
-
-    LAYER = "layer"
-    BLOCK = "block"
-
-
-DEFAULT_GATHER = Gather.BLOCK
-DEFAULT_PREFETCH = 1  # the next group's all-gather in flight while a group computes
-
-
-def check_prefetch(prefetch: int) -> int:
-    """Gathers in flight ahead of the computing layer: a whole number, at least the next layer's."""
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int):
-        raise TypeError(f"prefetch must be an int, got {prefetch!r}")
-    if prefetch < 1:
-        raise ValueError(f"prefetch must be at least 1, got {prefetch}")
-    return prefetch
-
-
-def check_compute_dtype(compute_dtype: torch.dtype | None) -> torch.dtype | None:
-    """What sharded modules compute in: None (their weights' dtype) or a floating-point torch.dtype. Checked
-    here: a name ("bf16") or an integer dtype would fail only inside the first forward or backward."""
-    if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
-        raise TypeError(f"compute_dtype must be None or a floating-point torch.dtype such as torch.bfloat16, "
-                        f"got {compute_dtype!r}")
-    return compute_dtype
-
-
-def linear_or_embedding(module: nn.Module) -> bool:
-    """The default shard policy: a class named Linear or Embedding (or derived from one) with a `weight` parameter."""
-    return (any(cls.__name__ in SHARDED_CLASS_NAMES for cls in type(module).__mro__)
-            and isinstance(module._parameters.get("weight"), nn.Parameter))
-
-
-class _Unit:
-    """One sharded weight: this rank's flat shard, and while gathered the full (shards * chunk,) buffer."""
-
-    def __init__(self, name: str, weight: nn.Parameter, compute_dtype: torch.dtype | None, rank: int, shards: int):
-        self.name, self.shape, self.numel = name, weight.shape, weight.numel()
-        self.chunk = math.ceil(self.numel / shards)
-        start = min(rank * self.chunk, self.numel)
-        stop = min(start + self.chunk, self.numel)
-        self.shard = nn.Parameter(weight.detach().reshape(-1)[start:stop].clone(), requires_grad=weight.requires_grad)
-        self.dtype = compute_dtype or weight.dtype
-        self.modules: list[nn.Module] = []
-        self.group: _Group | None = None
-        self.flat: torch.Tensor | None = None
-        self.gathering = None  # the Pending all-gather into `flat` (and its group's others gathered with it)
-        self.saved = 0  # views of the gathered weight autograd keeps and backward has not yet asked for
-        self.uses = 0  # forward uses whose gradient has not yet arrived
-        self.grad: torch.Tensor | None = None  # full-weight gradient, summed over the uses so far
-
-    def padded(self, values: torch.Tensor, size: int, dtype: torch.dtype) -> torch.Tensor:
-        """Flat `values` in `dtype`, zero-padded to `size`: no copy where they already are that."""
-        if values.numel() == size:
-            return values.to(dtype)
-        padded = values.new_zeros(size, dtype=dtype)
-        padded[:values.numel()] = values
-        return padded
-
-    def add_to_grad(self, chunk: torch.Tensor) -> None:
-        grad = chunk[:self.shard.numel()].to(self.shard.dtype)
-        self.shard.grad = grad if self.shard.grad is None else self.shard.grad + grad
-
-
-class _Group:
-    """Sharded weights gathered by one collective and reduce-scattered by one: a layer's, or every layer's in
-    a block."""
-
-    def __init__(self, name: str):
-        self.name, self.units = name, []
-        self.use = -1  # index of its latest use in the forward
-        self.waiting = 0  # its weights whose gradient is still being summed
-
-    def add(self, unit: _Unit) -> None:
-        unit.group = self
-        self.units.append(unit)
-
-
-def _groups(module: nn.Module, units: list[_Unit], gather: Gather | Callable[[nn.Module], bool]) -> list[_Group]:
-    """The units of the layers inside each picked module (every element of an nn.ModuleList for "block", or
-    what a policy picks; the outermost, where picks nest) as one group named as that module; every other
-    unit, and one that layers of two picked modules share (tied weights), is a group of its own."""
-    if gather == Gather.LAYER:
-        picked = []
-    elif gather == Gather.BLOCK:
-        picked = [(f"{name}.{index}", block) for name, blocks in module.named_modules()
-                  if isinstance(blocks, nn.ModuleList) for index, block in blocks.named_children()]
-    else:
-        picked = [(name, m) for name, m in module.named_modules() if gather(m)]
-    owner: dict[nn.Module, str] = {}
-    for name, picked_module in picked:
-        for layer in picked_module.modules():
-            owner.setdefault(layer, name)
-    groups: dict[str, _Group] = {}
-    for unit in units:
-        owners = {owner.get(layer) for layer in unit.modules}
-        name = owners.pop() if len(owners) == 1 and None not in owners else unit.name
-        if name not in groups:
-            groups[name] = _Group(name)
-        groups[name].add(unit)
-    return list(groups.values())
 
 
 class _GatheredWeight(torch.autograd.Function):
@@ -195,7 +86,7 @@ class _GatheredWeight(torch.autograd.Function):
 class _SavedView:
     """What autograd keeps in place of a view of a gathered weight: enough to rebuild it from a new gather."""
 
-    def __init__(self, unit: _Unit, tensor: torch.Tensor):
+    def __init__(self, unit: Unit, tensor: torch.Tensor):
         self.unit, self.geometry = unit, (tensor.size(), tensor.stride(), tensor.storage_offset())
 
 
@@ -219,11 +110,11 @@ class FSDP(nn.Module):
             for tensor in itertools.chain(module.parameters(), module.buffers()):
                 dist.broadcast(tensor, src=source, group=data)
         names = {param: name for name, param in module.named_parameters()}
-        units: dict[nn.Parameter, _Unit] = {}
+        units: dict[nn.Parameter, Unit] = {}
         self._cast: dict[nn.Module, dict[str, nn.Parameter]] = {}  # a sharded module's own replicated parameters
         for submodule in dict.fromkeys(m for m in module.modules() if shard_policy(m)):
             weight = submodule._parameters.pop("weight")
-            units.setdefault(weight, _Unit(names[weight], weight, compute_dtype, dist.get_rank(self.shard_group),
+            units.setdefault(weight, Unit(names[weight], weight, compute_dtype, dist.get_rank(self.shard_group),
                                            self.shard_size)).modules.append(submodule)
             submodule.weight = None  # set to the gathered weight while the module runs
             if compute_dtype is not None:  # its bias, say: cast while the module runs, as its weight is gathered
@@ -232,17 +123,17 @@ class FSDP(nn.Module):
             submodule.register_forward_pre_hook(_unseen(self._before))
             submodule.register_forward_hook(_unseen(self._after))
         self.units = list(units.values())
-        self.groups = _groups(module, self.units, gather)
+        self.groups = group_units(module, self.units, gather)
         self.shards = nn.ParameterList(unit.shard for unit in self.units)  # first in parameters()
         self._unit_of = {m: unit for unit in self.units for m in unit.modules}
         # The wrapped module's own names, in its order: a sharded weight, or a replicated parameter.
         self._named = [(name, units.get(param, param)) for param, name in names.items()]
         self._replicated = [p for p in module.parameters() if p.requires_grad]
-        self._storages: dict[int, _Unit] = {}  # gathered buffer's storage -> its unit, for the saved-tensor hooks
-        self._uses: list[_Group] = []  # this forward's groups, in the order they were used (once per visit)
-        self._order: list[_Group] = []  # the last forward's: what forward and backward prefetch from
+        self._storages: dict[int, Unit] = {}  # gathered buffer's storage -> its unit, for the saved-tensor hooks
+        self._uses: list[Group] = []  # this forward's groups, in the order they were used (once per visit)
+        self._order: list[Group] = []  # the last forward's: what forward and backward prefetch from
         self._saving: set[int] = set()  # indices of this forward's uses that saved a gathered weight
-        self._backward: list[_Group] = []  # those uses' groups, last first
+        self._backward: list[Group] = []  # those uses' groups, last first
         self._cursor = 0  # where backward is in `_backward`
         self._forwarding = False  # a sharded module called outside forward is activation checkpointing's recompute
         self._calls: list[nn.Module] = []  # the module that began each of this forward's uses, as `_uses`
@@ -330,7 +221,7 @@ class FSDP(nn.Module):
         module.weight = None
         module._parameters.update(self._cast.get(module, {}))
 
-    def _start_gather(self, units: list[_Unit]) -> None:
+    def _start_gather(self, units: list[Unit]) -> None:
         """One all-gather of those of `units` not gathered or in flight already (a group's, in the compute dtype)."""
         units = [unit for unit in units if unit.flat is None]
         if not units:
@@ -344,7 +235,7 @@ class FSDP(nn.Module):
         for unit in units:
             unit.gathering = pending
 
-    def _wait_gathered(self, unit: _Unit) -> None:
+    def _wait_gathered(self, unit: Unit) -> None:
         pending = unit.gathering
         if pending is None:
             return
@@ -353,7 +244,7 @@ class FSDP(nn.Module):
             if other.gathering is pending:
                 other.gathering = None
 
-    def _release(self, unit: _Unit) -> None:
+    def _release(self, unit: Unit) -> None:
         if unit.flat is None:
             return
         self._wait_gathered(unit)  # prefetched, never used: the buffer must outlive the collective
@@ -387,7 +278,7 @@ class FSDP(nn.Module):
             self._release(unit)  # autograd holds `view` until this node's backward is done
         return view
 
-    def _on_gradient(self, unit: _Unit, grad: torch.Tensor) -> None:
+    def _on_gradient(self, unit: Unit, grad: torch.Tensor) -> None:
         unit.grad = grad if unit.grad is None else unit.grad + grad
         unit.uses -= 1
         if unit.uses == 0:
@@ -399,7 +290,7 @@ class FSDP(nn.Module):
                     self._let_go(module)
                 self._release(unit)
 
-    def _reduce_scatter(self, group: _Group) -> None:
+    def _reduce_scatter(self, group: Group) -> None:
         """One reduce-scatter of the group's gradients summed so far, each padded to its N chunks."""
         units = [unit for unit in group.units if unit.grad is not None]
         fulls = [unit.padded(unit.grad.contiguous().view(-1), self.shard_size * unit.chunk, unit.grad.dtype)
@@ -467,7 +358,7 @@ class FSDP(nn.Module):
         """Every parameter of the wrapped module, whole, in its own dtype, keyed by the module's own names."""
         full = {}
         for name, owner in self._named:
-            if isinstance(owner, _Unit):
+            if isinstance(owner, Unit):
                 flat = owner.shard.new_empty(self.shard_size * owner.chunk)
                 all_gather([flat], [owner.padded(owner.shard, owner.chunk, owner.shard.dtype)], name,
                            self.shard_group).wait()
@@ -478,11 +369,9 @@ class FSDP(nn.Module):
 
 
 def _unseen(hook: Callable) -> Callable:
-    """A module hook that runs eagerly inside a compiled block (TransformerConfig.compile: gathers, their waits and
-    bookkeeping are Python Dynamo cannot trace; each is one graph break, the same every step), and out of sight of
-    dispatch modes: selective checkpointing's counts every op of a checkpointed block to replay its choices in the
-    recomputation, where the gathers differ (the forward prefetches past the block, the recomputation does not).
-    Other modes (IssuedCollectives counting a pass's collectives) still see the hook's ops."""
+    """A module hook run eagerly inside a compiled block (one graph break, the same every step), and out of sight of
+    selective checkpointing's modes, which replay a block's ops in its recomputation, where the gathers differ (the
+    forward prefetches past the block). Other modes (IssuedCollectives) still see the hook's ops."""
     @torch.compiler.disable
     @functools.wraps(hook)
     def run(*args):
@@ -495,7 +384,7 @@ def _unseen(hook: Callable) -> Callable:
     return run
 
 
-def _saved_units(group: _Group) -> list[_Unit]:
+def _saved_units(group: Group) -> list[Unit]:
     """What backward will ask of the group: the weights whose views autograd keeps."""
     return [unit for unit in group.units if unit.saved > 0]
 

@@ -16,7 +16,7 @@ from systems.accounting.transformer import checkpointed
 from systems.choice import Choice
 from systems.loss import check_chunk
 from systems.model import DEFAULT_EDITION, Attention, Fused, TransformerConfig, get_config
-from systems.parallel.fsdp import DEFAULT_GATHER, DEFAULT_PREFETCH, Gather, check_prefetch
+from systems.parallel.fsdp_units import DEFAULT_GATHER, DEFAULT_PREFETCH, Gather, check_prefetch
 from systems.parallel.mesh import Layout
 from systems.precision import PRECISIONS, Precision, get_precision
 

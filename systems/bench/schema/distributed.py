@@ -15,7 +15,7 @@ from systems.bench.breakdown import StepBreakdown
 from systems.bench.schema.base import Measured, Point, Throughput
 from systems.bench.schema.model import kernel_levers
 from systems.model import Attention, Fused
-from systems.parallel.fsdp import Gather
+from systems.parallel.fsdp_units import Gather
 from systems.parallel.spec import Optimizer, Variant
 from systems.precision import Precision
 

@@ -1,0 +1,132 @@
+"""FSDP's memory: a training step's measured peaks on gloo ranks (CPU allocations) against the accounting's
+(systems.accounting.fsdp_memory), for each precision, checkpointing scheme, loss chunk, prefetch depth and
+gather, and FSDP's own count of the gathered weights it holds."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from memory_probes import cpu_peak_bytes
+from spawned_ranks import results_by_rank
+from systems.accounting import Checkpointing, checkpointed, fsdp_memory
+from systems.model import get_config
+from systems.optim import AdamW
+from systems.parallel.fsdp import FSDP
+from systems.parallel.ranks import rank_device
+from systems.precision import PRECISIONS
+from systems.step import forward_loss, make_model, optimizer_step, random_batch
+
+SEED = 4321
+
+# A vocabulary large next to the blocks, so the LM head's
+# gathered weight and the loss's logits are large parts of the peaks, and a d_ff large next to the tokens, so the
+# prefetched w2 and w3 are too.
+MEMORY_MODEL = get_config("tiny", d_model=64, d_ff=512, num_layers=3, num_heads=4, vocab_size=2048,
+                          context_length=128)
+MEMORY_ROWS, MEMORY_SEQ = 2, 64
+STEPS_MEASURED = 6
+# (precision, checkpointing, loss chunk, prefetch, gather)
+MEMORY_RUNS = {"fp32": ("fp32", "none", None, 1, "layer"), "bf16": ("bf16", "none", None, 1, "layer"),
+               "bf16-chunked": ("bf16", "none", 48, 1, "layer"),
+               # Checkpointed: every block, pairs of blocks (a recomputation holds the block below's weights),
+               # and nested segments, in both precisions, with the whole loss and chunks of it.
+               "fp32-blocks": ("fp32", "every1", None, 1, "layer"),
+               "bf16-blocks-chunked": ("bf16", "every1", 48, 1, "layer"),
+               "fp32-pairs": ("fp32", "every2", None, 1, "layer"),
+               "bf16-pairs-chunked": ("bf16", "every2", 48, 1, "layer"),
+               "fp32-nested": ("fp32", "2x1", None, 1, "layer"),
+               "bf16-nested-chunked": ("bf16", "3x1", 48, 1, "layer"),
+               # Selective: the top block left out (its weights saved, so backward prefetches them), and op-level
+               # selection (the recomputation gathers its weights all the same).
+               "bf16-keep-chunked": ("bf16", "every1-keep1", 48, 1, "layer"),
+               "fp32-ops": ("fp32", "ops", None, 1, "layer"),
+               "bf16-attn-keep-block": ("bf16", "attn-keep1", 48, 1, "block"),
+               # A block's weights in flight ahead: the chunked loss's backward peaks with them beside the LM head;
+               # a recomputation's prefetches stay inside its segment, which it holds whole anyway.
+               "bf16-chunked-prefetch5": ("bf16", "none", 48, 5, "layer"),
+               "fp32-pairs-prefetch5": ("fp32", "every2", None, 5, "layer"),
+               # Block groups: a block's gradients wait for its last, two blocks' reduce-scatters in flight, and
+               # whole blocks prefetched (two ahead beside the LM head in the chunked loss's backward).
+               "fp32-block": ("fp32", "none", None, 1, "block"), "bf16-block": ("bf16", "none", None, 1, "block"),
+               "bf16-chunked-prefetch2-block": ("bf16", "none", 48, 2, "block"),
+               "fp32-pairs-block": ("fp32", "every2", None, 1, "block")}
+
+
+def memory_config(precision_name: str, scheme: str, chunk: int | None):
+    return checkpointed(Checkpointing.parse(scheme), dataclasses.replace(MEMORY_MODEL, loss_chunk=chunk),
+                        MEMORY_ROWS, MEMORY_SEQ, PRECISIONS[precision_name], device="cpu")
+
+
+def measure_peaks() -> dict:
+    """Each run's forward and whole-step peaks on this rank (CPU allocations above the state between steps),
+    the least of STEPS_MEASURED steps: gloo's worker threads sometimes free a buffer where the profiler does not see
+    it, which only ever adds to a measurement (measured on a loaded 2-core host: about one step in five, the
+    same few values each time; the least of three steps then missed the clean value now and then)."""
+    if rank_device().type != "cpu":
+        return {}
+    return {name: measure_run(*run) for name, run in MEMORY_RUNS.items()}
+
+
+def measure_run(precision_name: str, scheme: str, chunk: int | None, prefetch: int, gather: str) -> dict:
+    config = memory_config(precision_name, scheme, chunk)
+    precision = PRECISIONS[precision_name]
+    torch.manual_seed(SEED)
+    wrapped = FSDP(make_model(config, torch.device("cpu"), precision), compute_dtype=precision.compute,
+                   prefetch=prefetch, gather=gather)
+    optimizer = AdamW(wrapped.parameters())
+    tokens, targets = random_batch(config, MEMORY_ROWS, MEMORY_SEQ, torch.device("cpu"))
+
+    def forward():
+        return forward_loss(wrapped, tokens, targets, precision)
+
+    def step():
+        forward().backward()
+        wrapped.finish_gradient_synchronization()
+        optimizer_step(optimizer)
+
+    step()  # allocates the optimizer state
+    state = sum(t.nbytes for t in itertools.chain(wrapped.parameters(), wrapped.buffers()))
+    state += sum(t.nbytes for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
+    return {"forward": state + min(cpu_peak_bytes(forward, "gloo:") for _ in range(STEPS_MEASURED)),
+            "step": state + min(cpu_peak_bytes(step, "gloo:") for _ in range(STEPS_MEASURED)),
+            "gathered": wrapped.gathered.peak}
+
+
+peaks = results_by_rank("peaks", measure_peaks, gloo_world_sizes=(2, 3), timeout=600)
+
+
+def predicted_memory(run: str, world_size: int):
+    precision_name, scheme, chunk, prefetch, gather = MEMORY_RUNS[run]
+    config = memory_config(precision_name, scheme, chunk)
+    return fsdp_memory(config, MEMORY_ROWS, MEMORY_SEQ, PRECISIONS[precision_name], world_size, device="cpu",
+                       prefetch=prefetch, gather=gather)
+
+
+@pytest.mark.parametrize("run", MEMORY_RUNS)
+def test_step_peak_matches_the_accounting(peaks, run):
+    """Rank 0 (the largest shards) against fsdp_memory's forward and whole-step peaks. Within 3%: the terms the
+    accounting leaves out are per-token vectors (norms' rsqrt, log-sum-exp) under 0.5% here, and the least
+    measurement of several steps still moves by up to 2% from run to run (gloo's threads). Not run: checkpointed fp32
+    blocks with a chunked loss, whose forward peaks 2% above the loss where the LM head's weight is gathered,
+    into gloo's staging copy of it, which the accounting leaves out."""
+    if not peaks[0]:
+        pytest.skip("CPU allocations are measured on gloo ranks only")
+    predicted = predicted_memory(run, len(peaks))
+    assert peaks[0][run]["forward"] == pytest.approx(predicted.at("forward"), rel=0.03)
+    assert peaks[0][run]["step"] == pytest.approx(predicted.peak, rel=0.03)
+
+
+@pytest.mark.parametrize("run", [run for run, (_, scheme, *_) in MEMORY_RUNS.items() if scheme == "none"])
+def test_gathered_peak_matches_the_accounting(peaks, run):
+    """FSDP's own count of the gathered weights it holds, exact where the peaks' tolerance is not: the most is
+    the LM head's with the `prefetch` weights after it in backward (the top block's w2 onwards), as many as the
+    forward holds while the top block's layers prefetch the head. Under checkpointing autograd holds recomputed
+    weights that FSDP has let go, so it is left out."""
+    if not peaks[0]:
+        pytest.skip("CPU allocations are measured on gloo ranks only")
+    predicted = predicted_memory(run, len(peaks))
+    assert peaks[0][run]["gathered"] == max(moment.gathered for moment in predicted.moments)
