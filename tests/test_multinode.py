@@ -157,6 +157,17 @@ class Cluster:
         except subprocess.TimeoutExpired:
             pytest.fail(f"the launcher did not exit within {timeout:g} s:\n{node.output()[-3000:]}")
 
+    def wait_all(self, timeout: float) -> list[int | None]:
+        """The launchers' exit codes once all have exited, or as soon as one has failed: a launcher whose ranks
+        succeeded waits out torchrun's exit barrier (5 minutes) for a node that failed."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            codes = [node.process.poll() for node in self.nodes]
+            if None not in codes or any(codes):
+                return codes
+            time.sleep(0.2)
+        pytest.fail(f"the launchers did not exit within {timeout:g} s:\n{self.output()[-5000:]}")
+
     def output(self) -> str:
         return "\n".join(node.output() for node in self.nodes)
 
@@ -218,8 +229,9 @@ def losses_printed(output: str) -> list[float]:
 
 def run_two_nodes(cluster: Cluster, spec: TrainSpec, params_file: Path, gpus: list[list[str]] | None = None) -> dict:
     options = spec_options(spec) + [f"--save-params={params_file}"]
-    nodes = [cluster.start(options, gpus[node] if gpus else None) for node in range(NODES)]
-    codes = [cluster.wait(node, RUN_TIMEOUT) for node in nodes]
+    for node in range(NODES):
+        cluster.start(options, gpus[node] if gpus else None)
+    codes = cluster.wait_all(RUN_TIMEOUT)
     assert codes == [0] * NODES, cluster.output()[-5000:]
     cluster.assert_nothing_left()
     output = cluster.output()

@@ -160,9 +160,11 @@ def init_from_env(backend: str, timeout: float = 600.0) -> None:
     """Join the process group that torchrun describes in the environment (env:// rendezvous), as a rank that dies
     with its launcher: torchrun starts each rank in a session of its own, so a launcher killed with its node's
     process group would otherwise leave its ranks running. `timeout` (seconds) bounds the rendezvous and every
-    collective."""
+    collective. A rank that crashes (an abort in a collective library, a segfault) writes its threads' Python
+    stacks to stderr first."""
     _check_backend(backend)
     die_with_parent()
+    faulthandler.enable()
     _init_group(backend, int(os.environ["LOCAL_RANK"]), timeout)
 
 
