@@ -23,18 +23,16 @@ import itertools
 import statistics
 
 import pytest
-import torch
 
 from systems.accounting.ffn_layouts import Collective
 from systems.bench.ffn import BANDWIDTH_KINDS, bandwidth_bytes, medians, time_bandwidth, time_ffn
-from systems.bench.leases import on_gpus
 from systems.bench.options import grid_of, points_or_usage_error
 from systems.bench.schema import (CollectiveBandwidth, FFNBandwidthMeasured, FFNBandwidthPoint, FFNMeasured,
                                   FFNPoint, Passes)
 from systems.bench.timing import record_measured, record_point, record_timings
+from systems.bench.training import BACKEND, on_rank_gpus
 from systems.parallel.swiglu import placements
 
-BACKEND = "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def ffn_grid(grid) -> list[FFNPoint]:
@@ -59,11 +57,10 @@ def bandwidth_grid(grid) -> list[FFNBandwidthPoint]:
 
 def pytest_generate_tests(metafunc):
     grid = grid_of(metafunc.config)
-    gpus = (lambda point: point.world_size) if BACKEND == "nccl" else (lambda point: 0)
     if "ffn_point" in metafunc.fixturenames:
-        metafunc.parametrize("ffn_point", [on_gpus(p, gpus(p)) for p in ffn_grid(grid)])
+        metafunc.parametrize("ffn_point", on_rank_gpus(ffn_grid(grid)))
     if "bandwidth_point" in metafunc.fixturenames:
-        metafunc.parametrize("bandwidth_point", [on_gpus(p, gpus(p)) for p in bandwidth_grid(grid)])
+        metafunc.parametrize("bandwidth_point", on_rank_gpus(bandwidth_grid(grid)))
 
 
 def test_ffn(benchmark, ffn_point, rank_pools, grid, skip_on_oom):

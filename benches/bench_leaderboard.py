@@ -21,16 +21,15 @@ import importlib.util
 import pytest
 import torch
 
-from systems.bench.leases import on_gpus
 from systems.bench.options import grid_of, points_or_usage_error
 from systems.bench.schema import LeaderboardMeasured, LeaderboardPoint
 from systems.bench.timing import record_measured, record_point, record_timings, seconds_since_process_start
+from systems.bench.training import BACKEND, on_rank_gpus
 from systems.leaderboard import (CPU_REP_MS, CPU_WARMUP_MS, HANDOUT_REP_MS, HANDOUT_WARMUP_MS, Reference,
                                  run_leaderboard)
 from systems.model import get_config
 from systems.parallel.spec import TrainSpec, Variant
 
-BACKEND = "nccl" if torch.cuda.is_available() else "gloo"
 REFERENCE = Reference()
 
 
@@ -55,8 +54,7 @@ def leaderboard_grid(grid) -> list[LeaderboardPoint]:
 def pytest_generate_tests(metafunc):
     if "leaderboard_point" in metafunc.fixturenames:
         points = leaderboard_grid(grid_of(metafunc.config))
-        metafunc.parametrize("leaderboard_point", [on_gpus(p, p.world_size if BACKEND == "nccl" else 0)
-                                                   for p in points])
+        metafunc.parametrize("leaderboard_point", on_rank_gpus(points))
 
 
 def config_of(point: LeaderboardPoint, device: torch.device):

@@ -7,15 +7,8 @@
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=.:.course:.course/site PYTHONUNBUFFERED=1 SYSTEMS_LAB_COMMIT=$1
 export TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
-KIND=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9][0-9]*" | head -1 | tr H h)x4
-LOGS=$(mktemp -d)
+source "$(dirname "$0")/common.sh"
 
-run() {  # run NAME LIMIT COMMAND...: within LIMIT seconds (then interrupted: a benchmark saves a partial run)
-    local name=$1 limit=$2 start=$(date +%s)
-    shift 2
-    timeout -s INT -k 20 "$limit" "$@" > "$LOGS/$name.log" 2>&1
-    echo "$name: exit $?, $(( $(date +%s) - start )) s: $(tail -1 "$LOGS/$name.log")"
-}
 BENCH=(python -m pytest -p no:cacheprovider -q -rs --benchmark-autosave)
 
 CUDA_VISIBLE_DEVICES=0 run gate-rates 120 python -m systems.bench.gate_rates --gates 10 --turns 3 \

@@ -6,7 +6,7 @@
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=. PYTHONUNBUFFERED=1 SYSTEMS_LAB_COMMIT=$1
 export TRITON_CACHE_DIR=$(mktemp -d) TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
-KIND=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9][0-9]*" | head -1 | tr H h)x4
+source "$(dirname "$0")/common.sh"
 STEP=(benches/bench_fullstep.py --fullstep-preset leaderboard-2026 --contexts 32768 --batch-size 1 --world-sizes 2
       --precisions bf16 --loss-chunk 4096 --warmup-steps 1 --rounds 3 -p no:cacheprovider -q -rs
       --benchmark-autosave)

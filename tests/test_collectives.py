@@ -9,6 +9,7 @@ compute the expected means in one process."""
 import torch
 import torch.distributed as dist
 
+from layout_reference import mean_in_order
 from spawned_ranks import results_by_rank
 from systems.parallel.collectives import all_reduce_mean, reduce_scatter_mean
 from systems.parallel.ranks import rank_device
@@ -33,15 +34,12 @@ def reduce_on_every_rank() -> dict:
     return {"all_reduce": mean.cpu(), "reduce_scatter": chunk.cpu()}
 
 
-results = results_by_rank("results", reduce_on_every_rank, gloo_world_sizes=(2, 3), timeout=120)
-
-
 def one_process_mean(world: int) -> torch.Tensor:
     """The ranks' terms summed in rank order, then divided, in fp16 as the ranks compute it."""
-    total = terms(0, world * SIZE)
-    for rank in range(1, world):
-        total = total + terms(rank, world * SIZE)
-    return total / world
+    return mean_in_order([terms(rank, world * SIZE) for rank in range(world)])
+
+
+results = results_by_rank("results", reduce_on_every_rank, gloo_world_sizes=(2, 3), timeout=120)
 
 
 def test_all_reduce_mean_is_the_rank_ordered_sum_divided(results):

@@ -36,6 +36,8 @@ def run(levels: tuple[int, ...], fused: str, compile: bool, dtype: torch.dtype) 
     rank's rows of fresh batches."""
     from torch._dynamo.utils import counters
 
+    torch._dynamo.reset()  # each case compiles and counts its own graphs: none are shared with the case before
+    counters.clear()
     torch.manual_seed(SEED)
     config = dataclasses.replace(MODEL, checkpoint=levels, fused=fused, compile=compile, loss_chunk=7)
     with torch.device(rank_device()):
@@ -90,9 +92,8 @@ def test_compiled_blocks_match_eager(ranks, case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_blocks_compile_once_breaking_only_at_fsdps_hooks(ranks, case):
-    """The first step compiles (identical blocks share the graphs; a later case may compile nothing new); later
-    steps and the recomputations run what it compiled, with no new graph, graph break or recompilation. Every
-    graph break is at a hook FSDP runs eagerly (torch.compiler.disable): a gather around each sharded layer. The
+    """The first step compiles (identical blocks share the graphs); later steps and the recomputations run what it
+    compiled, with no new graph, graph break or recompilation. Every graph break is at a hook FSDP runs eagerly (torch.compiler.disable): a gather around each sharded layer. The
     fused kernels' autograd Functions trace into the graphs (their launches are custom ops)."""
     for runs in runs_of(ranks, case):
         first, *later = runs["compiled"]

@@ -136,6 +136,8 @@ def train_sharded(model_name: str, precision: str, optimizer_name: str, prefetch
             "gathered_after_step": wrapped.gathered.bytes,
             "gathered_sizes": [(g.name, sum(u.chunk * world_size * u.dtype.itemsize for u in g.units))
                                for g in wrapped._order]}
+
+
 TRAININGS = [(m, p, o) for m in MODELS for p in COMPUTE for o in OPTIMIZERS]
 
 
@@ -159,6 +161,8 @@ def train_all() -> dict:
             initial, reference = train_one_process(*training, device, world_size)
             results[training] = {"initial": initial, "reference": reference}
     return results
+
+
 replicas = results_by_rank("replicas", train_all, gloo_world_sizes=(2, 3), timeout=600)
 
 

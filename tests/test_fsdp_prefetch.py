@@ -21,6 +21,7 @@ from systems.parallel import fsdp as fsdp_module
 from systems.parallel.fsdp import FSDP
 from systems.parallel.ranks import rank_device
 
+
 @contextlib.contextmanager
 def recording(wrapped: FSDP, events: list):
     """Appends ("run", name) as each sharded module runs, and ("gather", name) and ("reduce_scatter", name) as
@@ -96,6 +97,8 @@ def by_group(trace: dict, phase: str) -> list[tuple]:
         if kind != "run" or not events or events[-1] != event:
             events.append(event)
     return events
+
+
 TRACES = list(itertools.product(PREFETCHES, GATHERS))
 trace_id = "prefetch{0[0]}-{0[1]}".format
 

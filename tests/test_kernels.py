@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from plain_error import check_near_plain
-from test_loss import check, inputs, reference
+from test_loss import U32, check, inputs, reference
 from systems.loss import chunked_cross_entropy
 from systems.model import Fused, RMSNorm, RotaryEmbedding, TransformerLM, get_config
 from systems.step import random_batch
@@ -26,7 +26,6 @@ kernels = pytest.importorskip("systems.kernels", reason="needs Triton")
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
-U32 = 2.0**-24
 LOG2E = 1 / math.log(2)
 
 

@@ -43,6 +43,7 @@ import pytest
 import torch
 
 from layout_reference import assert_trained_alike, train_one_process
+from systems.bench.leases import visible_gpus
 from systems.model import get_config
 from systems.parallel.mesh import Layout
 from systems.parallel.parallelize import full_parameters
@@ -218,9 +219,7 @@ def gpus_of(backend: str, node: int) -> list[str] | None:
     """The GPUs node `node`'s launcher sees: its two of the four this test holds (none under gloo)."""
     if backend == "gloo":
         return None
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    gpus = visible.split(",") if visible else [str(gpu) for gpu in range(torch.cuda.device_count())]
-    return gpus[node * RANKS_PER_NODE:(node + 1) * RANKS_PER_NODE]
+    return visible_gpus()[node * RANKS_PER_NODE:(node + 1) * RANKS_PER_NODE]
 
 
 def losses_printed(output: str) -> list[float]:

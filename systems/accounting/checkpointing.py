@@ -93,21 +93,21 @@ def kept_inputs(num_layers: int, levels: tuple[int, ...]) -> int:
 
 
 def held_in_backward(levels: tuple[int, ...], block: int, per_block: int, segment_input: int, shared: int, *,
-                     checkpointed: int | None = None, selected: int = 0, untaken: int = 0) -> int:
+                     checkpointed: int, selected: int = 0, untaken: int = 0) -> int:
     """Bytes of activations held while `block`'s backward runs: the inputs, at every level, of the segments
     from the first up to `block`'s (an inner segment that starts its parent shares the parent's input), and
     the blocks of `block`'s innermost segment up to `block`, recomputed. `shared`: bytes of the first
     recomputed block's activations that are its segment's input itself (an fp32 residual stream, which the
     block's norm saves as it is). Without checkpointing, blocks 0 to `block`.
 
-    Selective checkpointing: only the first `checkpointed` blocks are (None: all); the blocks above keep
+    Selective checkpointing: only the first `checkpointed` blocks are; the blocks above keep
     `per_block` each, and in their backward every checkpointed segment's input is held. Under op-level selection
     each checkpointed block below `block` keeps `selected` bytes too, and a recomputed block holds, beside its
     recomputed activations (which include what it selected), the `untaken` bytes of its selection that the
     recomputation does not take."""
     if not levels:
         return (block + 1) * per_block
-    if checkpointed is not None and block >= checkpointed:
+    if block >= checkpointed:
         above = block - checkpointed + 1
         return kept_inputs(checkpointed, levels) * segment_input + checkpointed * selected + above * per_block
     held, start = 0, 0

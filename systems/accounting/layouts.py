@@ -127,7 +127,7 @@ def predict_step(strategy: str, layout: Layout, collectives: list[StepCollective
                         / links.bandwidth(kind) for kind in LINKS])
             for pass_ in PASSES}
     exposed = sum(max(0.0, comm[pass_] - compute.of(pass_)) for pass_ in PASSES)
-    optimizer = compute.optimizer_s / (layout.shard if strategy != "ddp" else 1)
+    optimizer = compute.optimizer_s / layout.shard  # sharded by FSDP and HSDP; DDP's shard axis is 1
     return LayoutStep(strategy, layout, {axis: sum(c.bytes_sent for c in collectives if c.axis == axis)
                                          for axis in axes},
                       link, comm, exposed, compute.forward_s + compute.backward_s + optimizer + exposed)

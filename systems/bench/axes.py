@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from systems.accounting.traffic import StepCollective
+from systems.device import synchronize
 from systems.parallel.collectives import all_gather, all_reduce_mean, reduce_scatter_mean
 from systems.parallel.mesh import Layout, Mesh
 from systems.parallel.ranks import rank_device
@@ -77,10 +78,8 @@ def _issue(collectives: list[StepCollective], buffers: dict, group, plain_all_re
 
 def _timed(issue, group, device: torch.device) -> float:
     dist.barrier(group=group)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     start = time.perf_counter()
     issue()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    synchronize(device)
     return time.perf_counter() - start

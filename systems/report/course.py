@@ -18,7 +18,7 @@ from systems.accounting.ffn_layouts import (Accelerator, PassCost, SwiGLULayer, 
                                             largest_fsdp_devices, largest_fsdp_tp_grid, largest_tp_devices)
 from systems.bench.ffn import handout_cost
 from systems.parallel.swiglu import FFNLayout
-from systems.report.markdown import Table, ms, number, order
+from systems.report.markdown import Table, mb, ms, number, order
 from systems.report.runs import Result, Run
 
 SHAPE = ("batch", "d_model", "d_ff", "precision")
@@ -175,7 +175,7 @@ def leaderboard_tables(run: Run) -> list[Table]:
         levers = "" if p.model != "ours" else f"{p.attention}, {p.checkpoint}, loss chunk {p.loss_chunk or 'full'}"
         table.rows.append([p.model, p.preset, str(p.context), str(p.batch), str(p.world_size), levers, m.timer,
                            f"{p.rep_ms:g} / {p.warmup_ms:g}", ms(m.mean_s), ms(m.median_s), str(m.timed_steps),
-                           number(m.first_loss), number(m.peak_mb()), number(m.cold_start_s)])
+                           number(m.first_loss), mb(m.peak_mb()), number(m.cold_start_s)])
     return [table]
 
 
