@@ -1,6 +1,7 @@
-"""The models, batches and levers that FSDP's tests share (test_fsdp, test_fsdp_prefetch): the project's
-TransformerLM at sizes not divisible by 3, and a toy of its own classes named Linear and Embedding (not torch's),
-with an LM head tied to the embedding, a frozen layer, and a bias and a LayerNorm that stay replicated."""
+"""The models, batches and levers the sharding tests share (test_fsdp, test_fsdp_prefetch, test_hsdp,
+test_tensor_parallel): the project's TransformerLM at sizes not divisible by 3, and a toy of its own classes named
+Linear and Embedding (not torch's), with an LM head tied to the embedding, a frozen layer, and a bias and a
+LayerNorm that stay replicated."""
 
 from __future__ import annotations
 

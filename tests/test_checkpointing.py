@@ -9,7 +9,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from memory_probes import cpu_peak_bytes, saved_tensor_bytes, training_peaks
-from systems.accounting import (Checkpointing, Flops, activation_memory, checkpoint_levels, largest_context,
+from systems.accounting import (Checkpointing, Flops, activation_memory, checkpointed, largest_context,
                                 model_state, nested_checkpoint, peak_memory, recomputed_flops)
 from systems.loss import cross_entropy
 from systems.model import TransformerConfig, TransformerLM, get_config
@@ -187,11 +187,11 @@ def test_largest_context_is_the_last_that_fits(precision, levels):
     assert step_peak(seq) <= 80 * 10**9 < step_peak(seq + 1)
 
 
-def test_checkpoint_levels_name_the_schemes():
+def test_checkpointed_configs_name_the_schemes_levels():
     config, precision = get_config("xl", context_length=2048), PRECISIONS["bf16"]
 
     def levels(text: str) -> tuple[int, ...]:
-        return checkpoint_levels(Checkpointing.parse(text), config, 4, 2048, precision)
+        return checkpointed(Checkpointing.parse(text), config, 4, 2048, precision).checkpoint
 
     assert (levels("none"), levels("every6"), levels("6x1")) == ((), (6,), (6, 1))
     assert levels("nested") == nested_checkpoint(config, 4, 2048, precision)

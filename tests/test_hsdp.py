@@ -31,14 +31,14 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch.func import functional_call
 
+from fsdp_cases import ROWS_PER_RANK, SEED, SEQ, STEPS, TRANSFORMER, batches, loss_of, rows
 from layout_reference import layout_mean
 from spawned_ranks import results_by_rank
 from systems.accounting import fsdp_memory, hsdp_memory, hsdp_traffic
 from systems.accounting.traffic import all_reduce_bytes, gather_bytes
-from systems.model import TransformerLM, get_config
+from systems.model import TransformerLM
 from systems.optim import AdamW
 from systems.parallel import fsdp as fsdp_module
 from systems.parallel.fsdp import FSDP
@@ -46,8 +46,6 @@ from systems.parallel.mesh import Layout, Mesh, TorchHSDP
 from systems.parallel.ranks import rank_device
 from systems.precision import PRECISIONS
 
-ROWS_PER_RANK, SEQ, STEPS, SEED = 2, 6, 3, 4321
-TRANSFORMER = get_config("tiny", vocab_size=101, d_model=32, num_heads=4, d_ff=88, context_length=16)
 LAYOUTS = {"2x2": Layout(replicate=2, shard=2), "1x4": Layout(shard=4), "4x1": Layout(replicate=4)}
 COMPUTE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LR = {"sgd": 0.2, "adamw": 0.01}
@@ -61,22 +59,6 @@ NCCL_LAYOUTS = ("2x2",)  # groups of two ranks: sums no order changes
 
 def run_id(run: tuple) -> str:
     return "-".join(run)
-
-
-def batches(world_size: int, device):
-    """(step, tokens, targets) of each global batch: world_size * ROWS_PER_RANK rows."""
-    data = torch.Generator().manual_seed(SEED)
-    for step in range(STEPS):
-        tokens = torch.randint(TRANSFORMER.vocab_size, (world_size * ROWS_PER_RANK, SEQ + 1), generator=data)
-        yield step, tokens[:, :-1].to(device), tokens[:, 1:].to(device)
-
-
-def rows(rank: int) -> slice:
-    return slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
-
-
-def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def make_optimizer(name: str, params) -> torch.optim.Optimizer:
@@ -105,7 +87,7 @@ def train_one_process(layout: Layout, compute: str, optimizer_name: str, device)
     params = dict(model.named_parameters())
     optimizer = make_optimizer(optimizer_name, params.values())
     losses = []
-    for step, tokens, targets in batches(layout.world_size, device):
+    for step, tokens, targets in batches("transformer", device, layout.world_size):
         weights = {name: p.detach().to(dtype).requires_grad_() if p in sharded else p for name, p in params.items()}
         grads, step_losses = [], []
         for rank in range(layout.world_size):
@@ -163,7 +145,7 @@ def train_sharded(wrapper: str, layout_name: str, compute: str, optimizer_name: 
     mine = rows(mesh.data.index)
     losses, sent = [], Counter()
     with counting(mesh, sent) if wrapper == "ours" else contextlib.nullcontext():
-        for step, tokens, targets in batches(layout.world_size, device):
+        for step, tokens, targets in batches("transformer", device, layout.world_size):
             loss = loss_of(wrapped(tokens[mine]), targets[mine])
             loss.backward()
             wrapped.finish_gradient_synchronization()

@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from memory_probes import saved_tensor_bytes, training_peaks
 from spawned_ranks import results_by_rank
 from test_checkpointing import BLOCK_BOUND, CPU, linear_calls, loss_and_grads
-from systems.accounting import (Checkpointing, activation_memory, checkpoint_levels, checkpointed, kept_weight_copies,
+from systems.accounting import (Checkpointing, activation_memory, checkpointed, kept_weight_copies,
                                 nested_checkpoint, peak_memory, recomputed_flops)
 from systems.accounting.checkpointing import held_in_backward
 from systems.loss import cross_entropy
@@ -202,14 +202,9 @@ def test_nested_levels_are_chosen_over_the_checkpointed_blocks():
     assert resolved.checkpoint == nested_checkpoint(resolved, 4, 2048, precision, device="cpu")
 
 
-def test_a_selective_scheme_needs_the_whole_config():
-    """checkpoint_levels gives levels alone: for a scheme that sets more it says to use checkpointed, rather than
-    dropping what the scheme keeps."""
+def test_a_selective_scheme_builds_the_whole_config():
+    """checkpointed sets what a selective scheme keeps beside its levels."""
     config, precision = get_config("xl", context_length=2048), PRECISIONS["bf16"]
-    assert checkpoint_levels(Checkpointing.parse("every2"), config, 4, 2048, precision) == (2,)
-    for text in ("every1-keep4", "ops", "attn-keep1"):
-        with pytest.raises(ValueError, match="checkpointed"):
-            checkpoint_levels(Checkpointing.parse(text), config, 4, 2048, precision)
     resolved = scheme_config(config, "ops-keep4", 4, 2048, precision)
     assert (resolved.checkpoint, resolved.checkpoint_keep, resolved.checkpoint_saves) == ((1,), 4, Saves.MATMULS)
 

@@ -29,17 +29,15 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from fsdp_cases import SEED, STEPS, TRANSFORMER, batches, loss_of, rows
 from spawned_ranks import process_groups, results_by_rank
-from systems.model import TransformerLM, get_config
+from systems.model import TransformerLM
 from systems.parallel import tensor as tensor_module
 from systems.parallel.fsdp import FSDP
 from systems.parallel.mesh import Layout, Mesh, device_mesh
 from systems.parallel.ranks import rank_device
 
-ROWS_PER_RANK, SEQ, STEPS, SEED = 2, 6, 3, 4321
-TRANSFORMER = get_config("tiny", vocab_size=101, d_model=32, num_heads=4, d_ff=88, context_length=16)
 U = 2.0**-24
 DELTA = 16 * 2 * 2 * TRANSFORMER.d_ff * U  # see the module's docstring
 SHARDED = ("attn.qkv", "attn.out", "ffn.w1", "ffn.w3", "ffn.w2")
@@ -54,21 +52,6 @@ BUGS = ("no-f", "no-g", "heads-as-rows", "replicated-not-averaged")
 def run_id(run: tuple) -> str:
     what, layout = run
     return f"{what}-dp{layout.shard}-tp{layout.tensor}"
-
-
-def batches(data_ranks: int, device):
-    data = torch.Generator().manual_seed(SEED)
-    for step in range(STEPS):
-        tokens = torch.randint(TRANSFORMER.vocab_size, (data_ranks * ROWS_PER_RANK, SEQ + 1), generator=data)
-        yield step, tokens[:, :-1].to(device), tokens[:, 1:].to(device)
-
-
-def rows(rank: int) -> slice:
-    return slice(rank * ROWS_PER_RANK, (rank + 1) * ROWS_PER_RANK)
-
-
-def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def sgd(params) -> torch.optim.Optimizer:  # weight decay and momentum: a sum where a mean belongs shows
@@ -140,7 +123,7 @@ def train_ours(what: str, layout: Layout, device) -> dict:
     optimizer = sgd(wrapped.parameters())
     losses = []
     with bugs.get(what, contextlib.nullcontext()):
-        for step, tokens, targets in batches(layout.shard, device):
+        for step, tokens, targets in batches("transformer", device, layout.shard):
             mine = rows(mesh.data.index)
             loss = loss_of(wrapped(tokens[mine]), targets[mine])
             loss.backward()
@@ -163,7 +146,7 @@ def train_torch(layout: Layout, device) -> dict:
                                                 device_mesh(layout, ("tensor",)))
     optimizer = sgd(model.parameters())
     losses = []
-    for step, tokens, targets in batches(1, device):
+    for step, tokens, targets in batches("transformer", device, 1):
         loss = loss_of(model(tokens), targets)
         loss.backward()
         set_lr(optimizer, step)
@@ -185,7 +168,7 @@ def train_one_process(data_ranks: int, device) -> dict:
     initial = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
     optimizer = sgd(model.parameters())
     losses = []
-    for step, tokens, targets in batches(data_ranks, device):
+    for step, tokens, targets in batches("transformer", device, data_ranks):
         grads, step_losses = [], []
         for rank in range(data_ranks):
             loss = loss_of(model(tokens[rows(rank)]), targets[rows(rank)])

@@ -17,8 +17,8 @@ from systems.accounting.scaling import (TPU_V5P_BYTES, TPU_V5P_FLOPS, TPU_V5P_IC
 from systems.accounting.sharding import ShardedMemory, fsdp_memory, hsdp_memory, sharded_weights
 from systems.accounting.traffic import AxisTraffic, StepCollective, ddp_traffic, hsdp_traffic
 from systems.accounting.transformer import (GB, H100_BYTES, Activations, Flops, ModelState, PeakMemory,
-                                            activation_memory, checkpoint_levels, checkpointed,
-                                            count_matmul_parameters, count_parameters, flops, kept_weight_copies,
+                                            activation_memory, checkpointed, count_matmul_parameters,
+                                            count_parameters, flops, kept_weight_copies,
                                             largest_context, model_state, nested_checkpoint, peak_memory,
                                             recomputed_flops, residual_stream_bytes)
 
@@ -26,7 +26,7 @@ __all__ = ["GB", "H100_BYTES", "RING_COLLECTIVES", "TPU_V5P_BYTES", "TPU_V5P_FLO
            "Accelerator", "Activations", "AxisTraffic", "BucketedAllReduce", "Checkpointing", "Cluster", "Collective",
            "Compute", "ComputeBoundBatch", "DeviceBound", "FFNStack", "FSDPTPGrid", "Flops", "LayoutStep", "Links",
            "ModelState", "PassCost", "PeakMemory", "ShardedMemory", "StepCollective", "StepCost", "SwiGLULayer",
-           "activation_memory", "checkpoint_levels", "checkpointed", "count_matmul_parameters", "count_parameters",
+           "activation_memory", "checkpointed", "count_matmul_parameters", "count_parameters",
            "ddp_traffic", "devices_to_hold", "dp_step", "fastest", "fit_bucketed_allreduce", "flops", "fsdp_memory",
            "fsdp_step", "fsdp_tp_compute_bound_batch", "fsdp_tp_step", "hsdp_memory", "hsdp_traffic",
            "kept_weight_copies", "largest_context", "largest_dp_devices", "largest_fsdp_devices",

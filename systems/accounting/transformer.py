@@ -364,17 +364,6 @@ def checkpointed(scheme: Checkpointing, config: TransformerConfig, batch_size: i
     return dataclasses.replace(config, checkpoint=levels)
 
 
-def checkpoint_levels(scheme: Checkpointing, config: TransformerConfig, batch_size: int, seq: int,
-                      precision: Precision, *, attention: Attention | None = None,
-                      device: str = "cuda") -> tuple[int, ...]:
-    """`TransformerConfig.checkpoint` for a scheme that sets nothing else: its own levels, or nested's for this
-    model and batch. A selective scheme sets more: `checkpointed` builds its config."""
-    if scheme.keep or scheme.saves != Saves.INPUTS:
-        raise ValueError(f"checkpointing {str(scheme)!r} also sets checkpoint_keep and checkpoint_saves: build the "
-                         "config with systems.accounting.checkpointed(scheme, config, ...)")
-    return checkpointed(scheme, config, batch_size, seq, precision, attention=attention, device=device).checkpoint
-
-
 def largest_context(config: TransformerConfig, batch_size: int, precision: Precision, *, capacity: int = H100_BYTES,
                     attention: str | None = None, device: str = "cuda") -> int:
     """The longest sequence whose training step's predicted peak fits in `capacity` bytes (0 if none does), with

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from pytest_benchmark.utils import parse_compare_fail
 
+from systems.bench.gate import BASELINE, WORK, turn_orders
 from systems.bench.verdicts import decide
 
 SLOWDOWNS = (0.0, 0.05, 0.10)  # A/A, and the two slowdowns the issue asks for
@@ -81,13 +82,12 @@ def simulate(step: Callable[[], None], rounds: int, slowdown: float, gates: int,
     extra = int(slowdown * base * cycles_per_second())
     verdicts = []
     for _ in range(gates):
-        timings = {"baseline": [], "work": []}
-        for turn in range(turns):
-            order = ("baseline", "work") if (turns - 1 - turn) % 2 == 0 else ("work", "baseline")
+        timings = {BASELINE: [], WORK: []}
+        for order in turn_orders(turns):  # as the gate orders its turns
             for side in order:
-                seconds = run_seconds(step, rounds, extra if side == "work" else 0)
+                seconds = run_seconds(step, rounds, extra if side == WORK else 0)
                 timings[side].append({"point": seconds})
-        [verdict] = decide(timings["baseline"], timings["work"], check)
+        [verdict] = decide(timings[BASELINE], timings[WORK], check)
         verdicts.append(verdict)
     return {"slowdown": slowdown, "median_s": base, "statuses": [v.status for v in verdicts],
             "changes": [v.change for v in verdicts], "intervals": [(v.low, v.high) for v in verdicts],

@@ -229,14 +229,6 @@ def _allreduce(info: dict, point) -> AllReduceMeasured:
                              bare_busbw_gbps=info.get("bare_busbw_gbps"), loop_vs_bare=None)
 
 
-def _newer_kind(kind: str):
-    """A kind the typed schema introduced: no history before the schema holds one."""
-    def refuse(info: dict, point):
-        raise ValueError(f"a {kind} point in a history saved before the schema: {kind} points were first saved "
-                         "at the schema, so this history is not one of ours")
-    return refuse
-
-
 MEASURED_OF = {
     "model": lambda info, point: ModelMeasured(info["parameters"], info.get("tokens_per_s"), _throughput(info),
                                                info.get("peak_memory_mb"), _config(point)),
@@ -266,7 +258,6 @@ MEASURED_OF = {
         largest_context=info["largest_context"], first_oom_context=info["first_oom_context"],
         predicted_largest_context=info["predicted_largest_context"],
         at_longest=_checkpoint_measured(info, point, info["largest_context"] or point.start)),
-    **{kind: _newer_kind(kind) for kind in ("ffn", "ffn_bandwidth", "leaderboard", "layout")},
 }
 
 
