@@ -1,6 +1,7 @@
-# Sourced by the 4-GPU jobs after their own environment: KIND (h100x4 or h200x4, which names the histories), LOGS,
-# and the steps the jobs share.
-KIND=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9][0-9]*" | head -1 | tr H h)x4
+# Sourced by the GPU jobs after their own environment: KIND (the card and how many, h100x4 or h200x2, which names
+# the histories), LOGS, and the steps the jobs share.
+KIND=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | grep -o "H[0-9][0-9]*" | head -1 | tr H h)
+KIND=${KIND}x$(nvidia-smi -L | wc -l)
 LOGS=$(mktemp -d)
 
 run() {  # run NAME LIMIT COMMAND...: within LIMIT seconds (then interrupted: a benchmark saves a partial run)

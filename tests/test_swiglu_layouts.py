@@ -29,6 +29,7 @@ from unittest import mock
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from spawned_ranks import results_by_rank
 from systems.accounting.ffn_layouts import SwiGLULayer
@@ -115,6 +116,7 @@ def run_layouts() -> list[dict]:
             x_rows = x[laid.rows].clone().requires_grad_(True)
             with IssuedCollectives() as forward:
                 y = laid.module(x_rows)
+            summed = not isinstance(y, AsyncCollectiveTensor) or y.completed  # the step's end waits for it
             with IssuedCollectives() as backward:
                 y.backward(dy[laid.rows])
                 laid.finish()
@@ -124,7 +126,7 @@ def run_layouts() -> list[dict]:
         for name, grad in local_gradients(placement, laid.module).items():
             errors[name] = (grad - expected_part(placement, name, exact[name], rank)).abs().max().item() \
                 / tolerance[name]
-        results.append({"placement": str(placement), "without_g": without_g, "errors": errors,
+        results.append({"placement": str(placement), "without_g": without_g, "errors": errors, "summed": summed,
                         "sent": (sum(forward.bytes_sent().values()), sum(backward.bytes_sent().values())),
                         "expected": tuple(gloo_bytes(placement, cost) for cost in (step.forward, step.backward))})
     return results
@@ -139,6 +141,13 @@ def test_every_layout_computes_the_whole_layer(layout_results):
         for result in results:
             if not result["without_g"]:
                 assert max(result["errors"].values()) <= 1, (rank, result)
+
+
+def test_every_layout_has_summed_its_output_when_its_forward_returns(layout_results):
+    """Else a step that only backpropagates through y (as bench_ffn's) never waits for its forward's all-reduce,
+    and times the layout without it."""
+    for results in layout_results:
+        assert [result["placement"] for result in results if not result["summed"]] == []
 
 
 def test_leaving_out_g_is_caught(layout_results):

@@ -17,7 +17,9 @@ network, so the backward does the handout's six matmuls. Each layout is our own 
   Megatron's f and g of systems.parallel.tensor: the forward all-reduces y's partial sums, the backward dx's.
 - torch-tp: the same split by torch (`parallelize_module`: ColwiseParallel w1, w3, RowwiseParallel w2, and
   PrepareModuleInput on the layer, as torchtitan plans its FFN: without it each ColwiseParallel all-reduces its
-  own part of dx, two all-reduces backward instead of one).
+  own part of dx, two all-reduces backward instead of one). Its output is waited for before the forward returns
+  (RowwiseParallel leaves y's all-reduce in flight until an op reads y; a step that only backpropagates through y
+  would never wait for it).
 - fsdp-tp: a (data x tensor) Mesh (systems.parallel.mesh): tp's slices over the tensor axis, then our FSDP over
   the mesh shards each slice over the data axis, which takes B/data rows.
 
@@ -197,4 +199,17 @@ def _torch_tensor_parallel(layer: SwiGLU, size: int) -> nn.Module:
     mesh = device_mesh(Layout(tensor=size), ("tensor",))
     plan = {"": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
             "w1": ColwiseParallel(), "w3": ColwiseParallel(), "w2": RowwiseParallel()}
-    return parallelize_module(layer, mesh, plan)
+    layer = parallelize_module(layer, mesh, plan)
+    layer.register_forward_hook(_summed)
+    return layer
+
+
+def _summed(module: nn.Module, args, y: torch.Tensor) -> torch.Tensor:
+    """y once its all-reduce is done, as for every other layout. RowwiseParallel returns it unwaited (an
+    AsyncCollectiveTensor, waited for by the first op that reads it, as the next layer would): a step that ends
+    in `y.backward(dy)` reads no value of y, and its timing would leave the forward's all-reduce out."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if isinstance(y, AsyncCollectiveTensor):
+        y.trigger_wait()
+    return y
