@@ -17,6 +17,7 @@ slowest rank; the headline figure is do_bench's mean (the handout's), the slowes
 from __future__ import annotations
 
 import importlib.util
+import itertools
 
 import pytest
 import torch
@@ -43,11 +44,14 @@ def leaderboard_grid(grid) -> list[LeaderboardPoint]:
                                 f"--leaderboard-world-size {world} ranks")
     points = []
     for model in grid.leaderboard_models:
-        levers = ([(grid.attention, scheme, grid.loss_chunk) for scheme in grid.leaderboard_checkpoint]
-                  if model == "ours" else [(None, None, None)])
-        points += [LeaderboardPoint(model, grid.leaderboard_preset, grid.edition, grid.leaderboard_precision,
-                                    grid.leaderboard_batch, grid.leaderboard_context, world, *lever, rep, warmup)
-                   for lever in levers]
+        shape = (model, grid.leaderboard_preset, grid.edition, grid.leaderboard_precision, grid.leaderboard_batch,
+                 grid.leaderboard_context, world)
+        if model != "ours":
+            points.append(LeaderboardPoint(*shape, None, None, None, rep, warmup))
+            continue
+        points += [LeaderboardPoint(*shape, grid.attention, scheme, grid.loss_chunk, rep, warmup, fused, compile)
+                   for scheme, fused, compile in itertools.product(grid.leaderboard_checkpoint, grid.fused,
+                                                                    grid.compile_blocks)]
     return points_or_usage_error(points, "test_leaderboard", "--leaderboard-models", "name ours or cs336_basics")
 
 
@@ -64,7 +68,8 @@ def config_of(point: LeaderboardPoint, device: torch.device):
         return get_config(point.preset, point.edition, context_length=point.context)
     return TrainSpec(preset=point.preset, edition=point.edition, variant=Variant.FSDP, precision=point.precision,
                      batch_size=point.batch // point.world_size, context=point.context, checkpoint=point.checkpoint,
-                     loss_chunk=point.loss_chunk, attention=point.attention).config(device.type)
+                     loss_chunk=point.loss_chunk, attention=point.attention, fused=point.fused,
+                     compile=point.compile).config(device.type)
 
 
 def test_leaderboard(benchmark, leaderboard_point, rank_pools, device, skip_on_oom):

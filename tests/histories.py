@@ -19,6 +19,7 @@ TESTS = {"model": "bench_model.py::test_model", "warmup": "bench_model.py::test_
          "fsdp": "bench_fsdp.py::test_fsdp_step", "layout": "bench_layouts.py::test_layout_step",
          "fullstep": "bench_fullstep.py::test_fullstep",
          "checkpoint": "bench_checkpoint.py::test_checkpoint",
+         "leaderboard": "bench_leaderboard.py::test_leaderboard",
          "context_search": "bench_checkpoint.py::test_largest_context"}
 
 

@@ -13,8 +13,8 @@ from histories import allreduce_measured, config, entry, phases, rate, save_run,
 from systems.bench import migrate
 from systems.accounting import Checkpointing
 from systems.bench.schema import (KINDS, MEASURED, POINT, SCHEMA, AllReducePoint, CheckpointPoint, DDPMeasured,
-                                  DDPPoint, FSDPMeasured, FSDPPoint, ModelMeasured, ModelPoint, Point, SchemaError,
-                                  read_measured, read_point, to_record)
+                                  DDPPoint, FSDPMeasured, FSDPPoint, LeaderboardPoint, ModelMeasured, ModelPoint, Point,
+                                  SchemaError, read_measured, read_point, to_record)
 from systems.model import Attention, Fused
 from systems.parallel.fsdp_units import Gather
 from systems.parallel.spec import Variant
@@ -208,19 +208,30 @@ def test_a_history_saved_before_the_schema_migrates_into_it_once(tmp_path):
     assert tables["old"] == tables["new"] and "OOM" in tables["new"]["model.md"]
 
 
-def test_a_history_of_schema_2_gains_the_levers_added_since(tmp_path):
-    """Its checkpointing points ran without fused kernels or compilation: they read back so, under the same ids."""
-    point = CheckpointPoint("small", "2025", 4, 256, FP32, Attention.SDPA, Checkpointing.parse("every1"))
+LEVERED = {  # points of kinds that gained the fused kernels and compilation, as they ran before: without them
+    "checkpoint": (2, CheckpointPoint("small", "2025", 4, 256, FP32, Attention.SDPA, Checkpointing.parse("every1")),
+                   "[small-2025-b4-ctx256-fp32-sdpa-every1]"),
+    "leaderboard": (3, LeaderboardPoint("ours", "leaderboard-2026", "2026", PRECISIONS["bf16"], 2, 32768, 2,
+                                        Attention.SDPA, Checkpointing.parse("attn-keep4"), 4096, 30000.0, 10000.0),
+                    "[ours-leaderboard-2026-2026-bf16-b2-ctx32768-2ranks-sdpa-attn-keep4-loss4096-rep30000-warmup10000]"),
+}
+
+
+@pytest.mark.parametrize("kind", LEVERED)
+def test_an_older_history_gains_the_levers_added_since(tmp_path, kind):
+    """Its points ran without fused kernels or compilation: they read back so, under the same ids."""
+    schema, point, test_id = LEVERED[kind]
     path = save_run(tmp_path, 1, [], oom=[point])
     history = json.loads(path.read_text())
-    for field in migrate.LATER_FIELDS["checkpoint"]:
+    for field in migrate.later_fields(kind, schema):
         del history["out_of_memory"][0][POINT][field]
-    history["systems_lab_schema"] = 2
+    history["systems_lab_schema"] = schema
     path.write_text(json.dumps(history))
     assert migrate.main([str(path)]) == 0
     (oom,) = json.loads(path.read_text())["out_of_memory"]
-    assert read_point(oom[POINT]) == point and oom["name"].endswith("[small-2025-b4-ctx256-fp32-sdpa-every1]")
-    assert str(dataclasses.replace(point, fused=Fused.ALL, compile=True)).endswith("-every1-fused-all-compiled")
+    assert read_point(oom[POINT]) == point and oom["name"].endswith(test_id)
+    assert str(dataclasses.replace(point, fused=Fused.ALL, compile=True)).split("-rep")[0].endswith(
+        "-fused-all-compiled")
 
 
 def test_migration_knows_every_kind():

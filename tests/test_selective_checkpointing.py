@@ -66,9 +66,10 @@ def test_the_fused_kernels_recompute_exactly():
     """The fused Triton kernels under op-level selection: they run as custom ops there (a dispatch mode is on),
     which the policy recomputes, giving the forward's values again."""
     pytest.importorskip("systems.kernels", reason="needs Triton")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where Triton runs: a GPU, else interpreted
     config = get_config("tiny", num_layers=3, fused=Fused.ALL, loss_chunk=20, vocab_size=100)
-    model = make_model(config, CPU, PRECISIONS["fp32"])
-    tokens, targets = random_batch(config, 2, 12, CPU)
+    model = make_model(config, device, PRECISIONS["fp32"])
+    tokens, targets = random_batch(config, 2, 12, device)
     loss, grads = loss_and_grads(model, tokens, targets, PRECISIONS["fp32"])
     model.config = scheme_config(config, "ops-keep1", 2, 12)
     checkpointed_loss, checkpointed_grads = loss_and_grads(model, tokens, targets, PRECISIONS["fp32"])

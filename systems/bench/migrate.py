@@ -7,9 +7,9 @@ Older histories kept a point's fields among its figures, or only in its test id,
 that changed from run to run. This is the one place that still reads them: each benchmark becomes its point and
 its measured dataclass, stored whole, under the new test id of its point; its out-of-memory points likewise;
 fields an old run did not record are what it ran with (the grid's default, or its sibling points' value), or
-None where the schema says a figure may be absent. A history at schema 2 gains the fields its points' kinds have
-since (`LATER_FIELDS`: what every run before them ran with); its ids stand. A history already at the schema is
-left alone. The report reads only the schema; for an older file it names this command.
+None where the schema says a figure may be absent. A history at schema 2 or later gains the fields its points'
+kinds have had since (`LATER_FIELDS`: what every run before them ran with); its ids stand. A history already at
+the schema is left alone. The report reads only the schema; for an older file it names this command.
 """
 
 from __future__ import annotations
@@ -28,8 +28,10 @@ from systems.bench.schema import (ATTENTION_SWEEPS, MEASURED, POINT, SCHEMA, All
 from systems.model import get_config
 
 EDITION = "2025"  # every history before the schema named the 2025 edition's presets
-# Point fields added after schema 2, by kind, with what every run before them ran with: no fused kernels, eager.
-LATER_FIELDS = {"fullstep": {"fused": "none", "compile": False}, "checkpoint": {"fused": "none", "compile": False}}
+# Point fields added after schema 2, by the schema that added them and kind, with what every run before them ran
+# with: no fused kernels, eager.
+EAGER = {"fused": "none", "compile": False}
+LATER_FIELDS = {3: {"fullstep": EAGER, "checkpoint": EAGER}, 4: {"leaderboard": EAGER}}
 DEFAULT_BATCH, DEFAULT_ATTENTION = 4, "sdpa"  # the grid's defaults then, where a run did not record its own
 KIND_OF_TEST = {"test_model": "model", "test_warmup_study": "warmup", "test_handout_sweep": "attention",
                 "test_flash_sweep": "attention", "test_leaderboard": "attention",
@@ -47,18 +49,24 @@ NUMBERS = {"context": int, "seq": int, "d": int, "world_size": int, "bucket_size
 
 def migrate(history: dict) -> dict:
     """The history at the schema: its benchmarks and out-of-memory points rewritten, the rest as it was."""
-    if history.get("systems_lab_schema") == 2:
-        return _from_schema_2(history)
+    if isinstance(history.get("systems_lab_schema"), int):
+        return _from_schema(history, history["systems_lab_schema"])
     siblings = _siblings(history["benchmarks"])
     benchmarks = [_benchmark(bench, siblings) for bench in history["benchmarks"]]
     oom = [_out_of_memory(entry, siblings) for entry in history.get("out_of_memory", [])]
     return {**history, "benchmarks": benchmarks, "out_of_memory": oom, "systems_lab_schema": SCHEMA}
 
 
-def _from_schema_2(history: dict) -> dict:
-    """Schema 2's points with the fields added since, as they ran."""
+def later_fields(kind: str, since: int) -> dict:
+    """The fields `kind`'s points gained after schema `since`, with what every run before them ran with."""
+    return {field: value for schema, kinds in LATER_FIELDS.items() if schema > since
+            for field, value in kinds.get(kind, {}).items()}
+
+
+def _from_schema(history: dict, since: int) -> dict:
+    """Points of schema `since` (2 or later) with the fields added after it, as they ran."""
     def complete(point: dict) -> dict:
-        return {**point, **LATER_FIELDS.get(point["kind"], {})}
+        return {**point, **later_fields(point["kind"], since)}
 
     benchmarks = [{**bench, "extra_info": {**bench["extra_info"], POINT: complete(bench["extra_info"][POINT])}}
                   if POINT in (bench.get("extra_info") or {}) else bench for bench in history["benchmarks"]]
@@ -160,13 +168,13 @@ def _point(kind: str, test: str, old: dict, name: str, siblings: dict) -> dict:
         if kind == "fullstep":
             blocks = old["checkpoint_blocks"]
             record |= {"attention": old["attention"], "loss_chunk": old["loss_chunk"],
-                       "checkpoint": "none" if blocks is None else f"every{blocks}", **LATER_FIELDS[kind]}
+                       "checkpoint": "none" if blocks is None else f"every{blocks}", **later_fields(kind, 2)}
         return record
     scheme = f"every{old['blocks']}" if old["scheme"] == "blocks" else old["scheme"]
     fields = ("preset", "batch", "precision", "attention") + (("context",) if kind == "checkpoint" else
                                                               ("start", "limit"))
     return {"kind": kind, **common, "scheme": scheme, **{key: old[key] for key in fields},
-            **LATER_FIELDS.get(kind, {})}
+            **later_fields(kind, 2)}
 
 
 def _config(point, **levers) -> dict:

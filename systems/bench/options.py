@@ -158,10 +158,10 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
                "KxK (two levels, e.g. 6x1), nested (the two levels of least peak memory), attn or ops (blocks keeping "
                "attention's outputs, or those and the matmuls'); -keepN after any but none leaves the top N blocks "
                "out (every1-keep8)", many=True),
-        Option("--fused", Fused, "none", "the model's fused Triton kernels (bench_checkpoint, bench_fullstep): none, "
-               "all, or one of rmsnorm, rope, swiglu, loss", many=True),
-        Option("--compile-blocks", on_off, "off", "torch.compile of each block (bench_checkpoint, bench_fullstep): "
-               "off and/or on", many=True),
+        Option("--fused", Fused, "none", "the model's fused Triton kernels (bench_checkpoint, bench_fullstep, "
+               "bench_leaderboard's ours): none, all, or one of rmsnorm, rope, swiglu, loss", many=True),
+        Option("--compile-blocks", on_off, "off", "torch.compile of each block (bench_checkpoint, bench_fullstep, "
+               "bench_leaderboard's ours): off and/or on", many=True),
         Option("--max-context", _positive(int), "256",
                "bench_checkpoint's context search doubles from the first of --contexts up to this"),
     ]),
@@ -219,7 +219,7 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
         Option("--ffn-bandwidth-mb", _positive(float), "4", "MiB of the collectives that calibrate W (the issue's: "
                "100 or more on GPUs)", many=True),
         Option("--leaderboard-models", _leaderboard_model, "ours,cs336_basics", "ours (our FSDP, with --attention, "
-               "--loss-chunk, --leaderboard-checkpoint) and/or cs336_basics (the course's reference model, skipped "
+               "--loss-chunk, --leaderboard-checkpoint, --fused, --compile-blocks) and/or cs336_basics (the course's reference model, skipped "
                "where it is not importable)", many=True),
         Option("--leaderboard-preset", _name, "leaderboard-2026-tiny", "the model; the handout's: leaderboard-2026"),
         Option("--leaderboard-context", _positive(int), "64", "sequence length; the handout's: 32768"),
@@ -274,10 +274,12 @@ def configure_grid(config) -> Grid:
             if name not in presets:
                 raise pytest.UsageError(f"{OPTIONS[dest].flag}: no preset {name!r} in the {values['edition']} "
                                         f"edition; choose from {', '.join(presets)} (--edition chooses the table)")
-    selective = [str(scheme) for scheme in values["checkpoint"] if scheme.saves != Saves.INPUTS]
-    if selective and True in values["compile_blocks"]:
-        raise pytest.UsageError(f"--checkpoint {','.join(selective)} with --compile-blocks on: op-level selection "
-                                "cannot see inside a compiled block; compile only with the other schemes")
+    for dest in ("checkpoint", "leaderboard_checkpoint"):
+        selective = [str(scheme) for scheme in values[dest] if scheme.saves != Saves.INPUTS]
+        if selective and True in values["compile_blocks"]:
+            raise pytest.UsageError(f"{OPTIONS[dest].flag} {','.join(selective)} with --compile-blocks on: op-level "
+                                    "selection cannot see inside a compiled block; compile only with the other "
+                                    "schemes")
     grid = config.stash[GRID] = Grid(values)
     return grid
 

@@ -144,6 +144,10 @@ class FSDP(nn.Module):
         device = self.shards[0].device if self.units else torch.device("cpu")
         self.gather_wait = WaitClock(device)
         self.gathered = GatheredMemory()
+        # Eager, as the module hooks: torch 2.11's Dynamo traced them into a compiled block and broke its graph on
+        # their storage lookup. (Wrapped here, not where defined: Dynamo's import loads Triton, before a test run
+        # on a CPU has asked for its interpreter.)
+        self._saved_hooks = (torch.compiler.disable(self._pack), torch.compiler.disable(self._unpack))
 
     def forward(self, *args, **kwargs):
         for unit in self.units:
@@ -153,7 +157,7 @@ class FSDP(nn.Module):
         self._uses, self._saving, self._calls = [], set(), []
         self._forwarding = True
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with torch.autograd.graph.saved_tensors_hooks(*self._saved_hooks):
                 output = self.module(*args, **kwargs)
         finally:
             self._forwarding = False

@@ -22,9 +22,9 @@ def breakdown_tables(run: Run) -> list[Table]:
     table = Table("breakdown", "Where a step's GPU time goes, per rank: one profiled step (ms; in brackets, the "
                                "share of the span)",
                   ["bench", "preset", "precision", "context", "ranks", "variant", "attention", "checkpoint every",
-                   "loss chunk", "gather", "prefetch", "rank", "span", "busy", "idle", "matmul", "attention fwd",
-                   "attention bwd", "communication", "exposed communication", "other", "optimizer", "loss",
-                   "recompute"],
+                   "loss chunk", "gather", "fused kernels", "compiled", "prefetch", "rank", "span", "busy", "idle",
+                   "matmul", "attention fwd", "attention bwd", "communication", "exposed communication", "other",
+                   "optimizer", "loss", "recompute"],
                   note="Span: the first GPU activity's start to the last's end; busy: the time any ran; idle: the "
                        "span less the busy time. Matmul, attention, communication and other split the GPU activity "
                        "by kernel; they add up to more than busy where streams overlap (communication beside "

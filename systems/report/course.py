@@ -17,6 +17,7 @@ from pathlib import Path
 from systems.accounting.ffn_layouts import (Accelerator, PassCost, SwiGLULayer, largest_dp_devices,
                                             largest_fsdp_devices, largest_fsdp_tp_grid, largest_tp_devices)
 from systems.bench.ffn import handout_cost
+from systems.model import Fused
 from systems.parallel.swiglu import FFNLayout
 from systems.report.markdown import Table, mb, ms, number, order
 from systems.report.runs import Result, Run
@@ -172,7 +173,9 @@ def leaderboard_tables(run: Run) -> list[Table]:
                    "mean", "median", "steps timed", "first loss", "peak MiB", "cold start (s)"])
     for r in results:
         p, m = r.point, r.measured
-        levers = "" if p.model != "ours" else f"{p.attention}, {p.checkpoint}, loss chunk {p.loss_chunk or 'full'}"
+        levers = "" if p.model != "ours" else (f"{p.attention}, {p.checkpoint}, loss chunk {p.loss_chunk or 'full'}"
+                                               + ("" if p.fused == Fused.NONE else f", fused {p.fused}")
+                                               + (", compiled" if p.compile else ""))
         table.rows.append([p.model, p.preset, str(p.context), str(p.batch), str(p.world_size), levers, m.timer,
                            f"{p.rep_ms:g} / {p.warmup_ms:g}", ms(m.mean_s), ms(m.median_s), str(m.timed_steps),
                            number(m.first_loss), mb(m.peak_mb()), number(m.cold_start_s)])

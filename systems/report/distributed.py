@@ -157,7 +157,7 @@ def fsdp_tables(run: Run) -> list[Table]:
 
 
 FULLSTEP_KEYS = ["preset", "precision", "context", "world_size", "variant", "attention", "checkpoint",
-                 "loss_chunk", "gather"]
+                 "loss_chunk", "gather", "fused", "compile"]
 
 
 def fullstep_tables(run: Run) -> list[Table]:
@@ -167,7 +167,7 @@ def fullstep_tables(run: Run) -> list[Table]:
     table = Table("fullstep", f"Whole training step{batch_sizes(results)} per rank, as the leaderboard times it: "
                               "step (s), throughput and peak memory (GiB)",
                   ["preset", "precision", "context", "ranks", "variant", "attention", "checkpoint every",
-                   "loss chunk", "gather", "step", "do_bench step", "MFU", "tokens/s", "peak per rank",
+                   "loss chunk", "gather", "fused kernels", "compiled", "step", "do_bench step", "MFU", "tokens/s", "peak per rank",
                    "predicted peak", "peak / predicted", "cold start (s)"],
                   note="Step: mean over ranks of their medians of the timed steps; do_bench step: the leaderboard's "
                        "figure, triton's do_bench median on the slowest rank (GPU only). MFU and tokens/s come from "
@@ -199,6 +199,8 @@ def point_cells(point: Point, keys: list[str]) -> list[str]:
         if key not in fields:
             return ""
         value = getattr(point, key)
+        if isinstance(value, bool):
+            return "yes" if value else "no"
         if key == "checkpoint":  # one level of segments by their size, as the tables' "checkpoint" column says
             plain = value.levels is not None and len(value.levels) == 1 and value == Checkpointing(value.levels)
             return str(value.levels[0]) if plain else str(value)

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from systems.accounting.checkpointing import Checkpointing
 from systems.bench.schema.base import Measured, Point
 from systems.bench.schema.distributed import CollectiveShape
-from systems.model import Attention
+from systems.bench.schema.model import kernel_levers
+from systems.model import Attention, Fused
 from systems.parallel.swiglu import FFNLayout, Placement
 from systems.precision import Precision
 
@@ -143,9 +144,12 @@ class LeaderboardPoint(Point, kind="leaderboard", measured=LeaderboardMeasured):
     loss_chunk: int | None
     rep_ms: float
     warmup_ms: float
+    fused: Fused = Fused.NONE  # ours: the model's fused Triton kernels
+    compile: bool = False  # ours: each block through torch.compile
 
     def __str__(self) -> str:
         levers = "" if self.model != "ours" else (f"-{self.attention}-{self.checkpoint}-loss"
-                                                  f"{self.loss_chunk or 'full'}")
+                                                  f"{self.loss_chunk or 'full'}"
+                                                  f"{kernel_levers(self.fused, self.compile)}")
         return (f"{self.model}-{self.preset}-{self.edition}-{self.precision.name}-b{self.batch}-ctx{self.context}"
                 f"-{self.world_size}ranks{levers}-rep{self.rep_ms:g}-warmup{self.warmup_ms:g}")
