@@ -5,7 +5,10 @@ rep=30_000, warmup=10_000), our model and the course's reference (cs336_basics) 
 The handout's run on 2 GPUs (docs/course-2026.md), from an empty cache:
 
     TRITON_CACHE_DIR=$(mktemp -d) pytest benches/bench_leaderboard.py --leaderboard-preset leaderboard-2026 \\
-        --leaderboard-context 32768 --leaderboard-world-size 2 --leaderboard-checkpoint every1 --loss-chunk 4096
+        --leaderboard-context 32768 --leaderboard-world-size 2 --leaderboard-checkpoint attn-keep8 --fused all \\
+        --loss-chunk 4096
+
+(every block checkpointed, `every1`, on 80 GB cards: attn-keep8 needs an H200's memory.)
 
 The CPU default is the leaderboard's shape made tiny at context 64 on 2 gloo ranks, with do_bench's algorithm
 on the host clock and budgets of a few milliseconds (--leaderboard-rep-ms, --leaderboard-warmup-ms: the

@@ -51,6 +51,11 @@ def test_leaderboard_model_counts_and_step_flops():
     assert 3.5 * step.attention / 1e15 == pytest.approx(2.09, abs=0.005)
     assert step.flash_step / 1e15 == pytest.approx(5.04, abs=0.005)
     assert step.flash_step / 8.8 / (2 * 989e12) == pytest.approx(0.29, abs=0.005)
+    # torchtitan's count, 6 N + 12 L d T per token (N its matmul parameters): 6.54 PFLOP, by which run 0050's
+    # 6.474 s is 51.1% of 2 x 989 TFLOP/s (39.4% by the leaderboard's), as the performance issue says.
+    tokens, layers, width = 65_536, 34, 4096
+    assert step.full_attention_step == 6 * 7_503_085_568 * tokens + 12 * layers * width * 32_768 * tokens
+    assert step.full_attention_step / 6.474 / (2 * 989e12) == pytest.approx(0.511, abs=0.0005)
 
 
 @pytest.mark.parametrize("attention", ["naive", "sdpa"])

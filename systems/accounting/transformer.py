@@ -74,6 +74,13 @@ class Flops:
         rather than twice."""
         return self.step + self.attention // 2
 
+    @property
+    def full_attention_step(self) -> int:
+        """The step as torchtitan counts it (PaLM's 6N + 12 L H Q T per token): attention without the causal
+        halving, its backward twice its forward: above `flash_step` by 2.5 attention forwards, the larger count
+        at a long context."""
+        return self.step + 3 * self.attention
+
 
 def flops(config: TransformerConfig, batch_size: int, seq: int) -> Flops:
     _check_shape(config, batch_size, seq)

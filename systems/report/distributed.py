@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from systems.accounting import BucketedAllReduce, Checkpointing, count_parameters, fit_bucketed_allreduce
+from systems.accounting import BucketedAllReduce, Checkpointing, count_parameters, fit_bucketed_allreduce, flops
 from systems.bench.schema import DDP_VARIANTS, FSDP_VARIANTS, Phases, Point
 from systems.model import get_config
 from systems.parallel.spec import Variant
@@ -167,23 +167,30 @@ def fullstep_tables(run: Run) -> list[Table]:
     table = Table("fullstep", f"Whole training step{batch_sizes(results)} per rank, as the leaderboard times it: "
                               "step (s), throughput and peak memory (GiB)",
                   ["preset", "precision", "context", "ranks", "variant", "attention", "checkpoint every",
-                   "loss chunk", "gather", "fused kernels", "compiled", "step", "do_bench step", "MFU", "tokens/s", "peak per rank",
-                   "predicted peak", "peak / predicted", "cold start (s)"],
+                   "loss chunk", "gather", "fused kernels", "compiled", "step", "do_bench step", "MFU",
+                   "MFU, torchtitan's count", "tokens/s", "peak per rank", "predicted peak", "peak / predicted",
+                   "cold start (s)"],
                   note="Step: mean over ranks of their medians of the timed steps; do_bench step: the leaderboard's "
                        "figure, triton's do_bench median on the slowest rank (GPU only). MFU and tokens/s come from "
-                       "the do_bench step where there is one; MFU counts model FLOPs, recomputation left out. "
+                       "the do_bench step where there is one; MFU counts model FLOPs, recomputation left out: attention's "
+                       "causal half, its backward 2.5 times its forward (the leaderboard's count, FlashAttention's); "
+                       "torchtitan's count takes attention whole, its backward twice its forward. "
                        "Predicted peak: the largest rank's (systems.accounting.fsdp_memory for our FSDP). Cold "
                        "start: from the pytest process's start to the end of the point's timed job.")
     for r in results:
         m = r.measured
         peaks, predicted = m.peak_memory_mb_per_rank or [], m.predicted_peak_mb
         mfu = m.throughput.mfu
+        model = flops(get_config(r.point.preset, r.point.edition, context_length=r.point.context), r.point.batch,
+                      r.point.context)
         table.rows.append(point_cells(r.point, FULLSTEP_KEYS) + [number(m.phases.step_s), number(m.do_bench_s)]
-                          + ["" if mfu is None else f"{mfu:.1%}", f"{m.tokens_per_s:,.0f}",
+                          + ["" if mfu is None else f"{mfu:.1%}",
+                             "" if mfu is None else f"{mfu * model.full_attention_step / model.flash_step:.1%}",
+                             f"{m.tokens_per_s:,.0f}",
                              ", ".join(map(_gib, peaks)), _gib(predicted),
                              f"{max(peaks) / predicted:.2f}" if peaks and predicted else "",
                              number(m.cold_start_s)])
-    table.rows += [point_cells(point, FULLSTEP_KEYS) + ["OOM"] + [""] * 7 for point in oom]
+    table.rows += [point_cells(point, FULLSTEP_KEYS) + ["OOM"] + [""] * 8 for point in oom]
     return [table]
 
 
