@@ -40,12 +40,13 @@ def pytest_generate_tests(metafunc):
             for preset, precision in common for context in grid.contexts for scheme in grid.checkpoint
             for fused in grid.fused for compile in grid.compile_blocks], ids=str)
     if "search" in metafunc.fixturenames:
-        if grid.max_context < grid.contexts[0]:
-            raise pytest.UsageError(f"--max-context {grid.max_context} is below the first of --contexts "
+        limit = grid.max_context or 2 * grid.contexts[0]
+        if limit < grid.contexts[0]:
+            raise pytest.UsageError(f"--max-context {limit} is below the first of --contexts "
                                     f"({grid.contexts[0]}): the context search would run nothing")
         metafunc.parametrize("search", [
             ContextSearchPoint(preset, grid.edition, grid.batch_size, precision, grid.attention, scheme,
-                               grid.contexts[0], grid.max_context)
+                               grid.contexts[0], limit)
             for preset, precision in common for scheme in grid.checkpoint], ids=str)
 
 

@@ -162,8 +162,9 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
                "bench_leaderboard's ours): none, all, or one of rmsnorm, rope, swiglu, loss", many=True),
         Option("--compile-blocks", on_off, "off", "torch.compile of each block (bench_checkpoint, bench_fullstep, "
                "bench_leaderboard's ours): off and/or on", many=True),
-        Option("--max-context", _positive(int), "256",
-               "bench_checkpoint's context search doubles from the first of --contexts up to this"),
+        Option("--max-context", _positive(int), None,
+               "bench_checkpoint's context search doubles from the first of --contexts up to this (default: twice "
+               "the first of --contexts)"),
     ]),
     "attention benchmarks": ("bench_attention.py; defaults fit a laptop CPU", [
         Option("--attn-grid", _one_of(("tiny", "full"), "grid"), "tiny",
