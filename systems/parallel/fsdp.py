@@ -144,9 +144,9 @@ class FSDP(nn.Module):
         device = self.shards[0].device if self.units else torch.device("cpu")
         self.gather_wait = WaitClock(device)
         self.gathered = GatheredMemory()
-        # Eager, as the module hooks: torch 2.11's Dynamo traced them into a compiled block and broke its graph on
-        # their storage lookup. (Wrapped here, not where defined: Dynamo's import loads Triton, before a test run
-        # on a CPU has asked for its interpreter.)
+        # The saved-tensor hooks run eagerly, as the module hooks do: torch 2.11's Dynamo traced them into a
+        # compiled block and broke its graph on their storage lookup. (Wrapped here, not where they are defined:
+        # Dynamo's import loads Triton, before a test run on a CPU has asked for its interpreter.)
         self._saved_hooks = (torch.compiler.disable(self._pack), torch.compiler.disable(self._unpack))
 
     def forward(self, *args, **kwargs):
