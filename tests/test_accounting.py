@@ -11,6 +11,7 @@ from systems.accounting import (GB, TPU_V5P_BYTES, TPU_V5P_FLOPS, TPU_V5P_ICI_BA
                                 FFNStack, activation_memory, count_matmul_parameters, count_parameters,
                                 devices_to_hold, flops, fsdp_tp_compute_bound_batch, model_state,
                                 peak_memory, residual_stream_bytes)
+from systems.kernels.launch import interpreted as kernels_interpreted
 from systems.loss import cross_entropy
 from systems.model import EDITIONS, TransformerConfig, TransformerLM, get_config
 from systems.optim import AdamW
@@ -80,8 +81,13 @@ def test_flops_match_flop_counter(attention):
 @pytest.mark.parametrize("attention", ["naive", "sdpa", "flash"])
 @pytest.mark.parametrize("precision", precisions("fp32", "bf16", "bf16-weights"))
 @pytest.mark.parametrize("num_layers", [1, 3])
-def test_saved_activations_match_autograd(attention, precision, num_layers):
-    config = get_config("tiny", attention=attention, num_layers=num_layers)
+@pytest.mark.parametrize("fused", ["none", "rmsnorm", "rope", "swiglu"])
+def test_saved_activations_match_autograd(attention, precision, num_layers, fused):
+    """Also with each of the blocks' fused kernels, which keep less than the eager ops (Triton's interpreter runs
+    them on CPU tensors: where there is no GPU)."""
+    if fused != "none" and not kernels_interpreted():
+        pytest.skip("the fused kernels run on CPU tensors under Triton's interpreter only, off where there is a GPU")
+    config = get_config("tiny", attention=attention, num_layers=num_layers, fused=fused)
     model = make_model(config, CPU, precision)
     batch_size, seq = 3, 48
     tokens, targets = (t.clone() for t in random_batch(config, batch_size, seq, CPU))

@@ -213,7 +213,8 @@ LEVERED = {  # points of kinds that gained the fused kernels and compilation, as
                    "[small-2025-b4-ctx256-fp32-sdpa-every1]"),
     "leaderboard": (3, LeaderboardPoint("ours", "leaderboard-2026", "2026", PRECISIONS["bf16"], 2, 32768, 2,
                                         Attention.SDPA, Checkpointing.parse("attn-keep4"), 4096, 30000.0, 10000.0),
-                    "[ours-leaderboard-2026-2026-bf16-b2-ctx32768-2ranks-sdpa-attn-keep4-loss4096-rep30000-warmup10000]"),
+                    "[ours-leaderboard-2026-2026-bf16-b2-ctx32768-2ranks-sdpa-attn-keep4-loss4096-rep30000"
+                    "-warmup10000]"),
 }
 
 

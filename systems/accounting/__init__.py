@@ -1,5 +1,5 @@
-"""Executable arithmetic: parameters, FLOPs and memory of the Transformer LM (transformer.py), with activation
-checkpointing (checkpointing.py) and written-out attention's seq² tensors (scores.py), the parallelism
+"""Executable arithmetic: parameters and memory of the Transformer LM (transformer.py) and its FLOPs (flops.py),
+with activation checkpointing (checkpointing.py) and written-out attention's seq² tensors (scores.py), the parallelism
 arithmetic of the scaling book (scaling.py), one SwiGLU layer under DP, FSDP, TP and FSDP x TP (ffn_layouts.py: the
 2026 handout's section 8), bucketed all-reduce time (allreduce.py), per-rank memory under FSDP and HSDP
 (sharding.py), the bytes a rank sends on each axis of a layout, collective by collective (traffic.py), and which
@@ -7,6 +7,7 @@ layout a cluster of nodes runs fastest (layouts.py)."""
 
 from systems.accounting.allreduce import BucketedAllReduce, fit_bucketed_allreduce
 from systems.accounting.checkpointing import Checkpointing, recomputed_blocks
+from systems.accounting.flops import Flops, flops, recomputed_flops
 from systems.accounting.ffn_layouts import (RING_COLLECTIVES, Accelerator, Collective, DeviceBound, FSDPTPGrid,
                                              PassCost, StepCost, SwiGLULayer, dp_step, fsdp_step, fsdp_tp_step,
                                              largest_dp_devices, largest_fsdp_devices, largest_fsdp_tp_grid,
@@ -16,11 +17,10 @@ from systems.accounting.scaling import (TPU_V5P_BYTES, TPU_V5P_FLOPS, TPU_V5P_IC
                                         FFNStack, devices_to_hold, fsdp_tp_compute_bound_batch)
 from systems.accounting.sharding import ShardedMemory, fsdp_memory, hsdp_memory, sharded_weights
 from systems.accounting.traffic import AxisTraffic, StepCollective, ddp_traffic, hsdp_traffic
-from systems.accounting.transformer import (GB, H100_BYTES, Activations, Flops, ModelState, PeakMemory,
-                                            activation_memory, checkpointed, count_matmul_parameters,
-                                            count_parameters, flops, kept_weight_copies,
-                                            largest_context, model_state, nested_checkpoint, peak_memory,
-                                            recomputed_flops, residual_stream_bytes)
+from systems.accounting.transformer import (GB, H100_BYTES, Activations, ModelState, PeakMemory, activation_memory,
+                                            checkpointed, count_matmul_parameters, count_parameters,
+                                            kept_weight_copies, largest_context, model_state, nested_checkpoint,
+                                            peak_memory, residual_stream_bytes)
 
 __all__ = ["GB", "H100_BYTES", "RING_COLLECTIVES", "TPU_V5P_BYTES", "TPU_V5P_FLOPS", "TPU_V5P_ICI_BANDWIDTH", "XXL",
            "Accelerator", "Activations", "AxisTraffic", "BucketedAllReduce", "Checkpointing", "Cluster", "Collective",

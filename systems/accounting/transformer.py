@@ -1,16 +1,18 @@
-"""Parameters, FLOPs and memory of the Transformer LM, as executable arithmetic.
+"""Parameters and memory of the Transformer LM, as executable arithmetic (its FLOPs: flops.py).
 
 The memory model follows what this repository's model makes autograd save (systems/model.py):
 RMSNorm works in fp32, so the residual stream and both norms' saved tensors stay fp32 under
 autocast (with bf16 weights the residual stream is bf16, and the norms save fp32 copies of it);
 RoPE saves only its cos/sin tables; SwiGLU saves w1's and w3's outputs, the SiLU and
 the product; cross_entropy upcasts the logits and keeps three (batch, seq, vocab) fp32 tensors.
+The blocks' fused kernels (`config.fused`) keep less: RMSNorm its input as it comes and 1/rms, SwiGLU no SiLU
+output, RoPE no table casts (and q and k laid out as v is, which some attention kernels' outputs follow); the
+fused loss is not modelled (counted as the eager loss).
 tests/test_accounting.py checks it against the tensors autograd actually saves (CPU) and against
-torch.cuda.max_memory_allocated (GPU). Activation memory, peak memory and FLOPs follow the config's activation
+torch.cuda.max_memory_allocated (GPU). Activation memory and peak memory follow the config's activation
 checkpointing, selective included (checkpointing.py holds its arithmetic; tests/test_checkpointing.py checks
-it). The fused kernels (`config.fused`) are not modelled: the accounting counts the eager ops. Peak memory adds
-what is made and freed around the moment each phase peaks at, written-out attention's seq² tensors among them
-(scores.py).
+it). Peak memory adds what is made and freed around the moment each phase peaks at, written-out attention's seq²
+tensors among them (scores.py).
 """
 
 from __future__ import annotations
@@ -20,10 +22,10 @@ from dataclasses import dataclass
 
 import torch
 
-from systems.accounting.checkpointing import (Checkpointing, held_in_backward, kept_inputs, least_peak_levels,
-                                              recomputed_blocks)
+from systems.accounting.checkpointing import Checkpointing, held_in_backward, kept_inputs, least_peak_levels
+from systems.accounting.flops import check_shape, selects_attention
 from systems.accounting.scores import written_out_backward_peak, written_out_forward_peak, written_out_scores
-from systems.model import Attention, TransformerConfig
+from systems.model import Attention, Fused, TransformerConfig
 from systems.precision import FP32, Precision
 from systems.recompute import Saves
 
@@ -41,77 +43,6 @@ def count_matmul_parameters(config: TransformerConfig) -> int:
     """Weights of the Linear layers: the ones autocast copies to low precision."""
     d, d_ff = config.d_model, config.d_ff
     return config.num_layers * (4 * d * d + 3 * d * d_ff) + d * config.vocab_size
-
-
-# ---------------------------------------------------------------------------------------------
-# FLOPs
-
-
-@dataclass(frozen=True)
-class Flops:
-    """Matmul FLOPs of one forward pass by part; backward does two matmuls (dX, dW) per forward one."""
-
-    projections: int  # qkv, out and the three SwiGLU matrices of every block
-    attention: int  # QKᵀ and PV, the causal (unmasked) half only
-    lm_head: int
-
-    @property
-    def forward(self) -> int:
-        return self.projections + self.attention + self.lm_head
-
-    @property
-    def backward(self) -> int:
-        return 2 * self.forward
-
-    @property
-    def step(self) -> int:
-        return self.forward + self.backward
-
-    @property
-    def flash_step(self) -> int:
-        """The step as FlashAttention's benchmarks and the course's leaderboard count it: attention's backward is
-        the five matmuls a FlashAttention backward runs (QKᵀ again, dV, dP, dQ, dK), 2.5 times its forward
-        rather than twice."""
-        return self.step + self.attention // 2
-
-    @property
-    def full_attention_step(self) -> int:
-        """The step as torchtitan counts it (PaLM's 6N + 12 L H Q T per token): attention without the causal
-        halving, its backward twice its forward: above `flash_step` by 2.5 attention forwards, the larger count
-        at a long context."""
-        return self.step + 3 * self.attention
-
-
-def flops(config: TransformerConfig, batch_size: int, seq: int) -> Flops:
-    _check_shape(config, batch_size, seq)
-    d, d_ff, layers = config.d_model, config.d_ff, config.num_layers
-    tokens = batch_size * seq
-    return Flops(
-        projections=layers * 2 * tokens * (4 * d * d + 3 * d * d_ff),
-        attention=layers * 2 * 2 * batch_size * seq * seq * d // 2,
-        lm_head=2 * tokens * d * config.vocab_size,
-    )
-
-
-def recomputed_flops(config: TransformerConfig, batch_size: int, seq: int, *, device: str = "cuda") -> Flops:
-    """The forward FLOPs the backward runs again under `config.checkpoint` (none without): the checkpointed
-    blocks `recomputed_blocks` counts, less the w2 matmul at the end of each innermost segment; under op-level
-    selection less what the recomputation takes from the forward instead (attention's kernel where `device` runs
-    one, the matmuls). Not model FLOPs: MFU leaves them out."""
-    model = flops(config, batch_size, seq)
-    blocks, segments = recomputed_blocks(config.num_layers - config.checkpoint_keep, config.checkpoint)
-    w2 = 2 * batch_size * seq * config.d_model * config.d_ff
-    saves = config.checkpoint_saves
-    projections = 0 if saves == Saves.MATMULS else blocks * model.projections // config.num_layers - segments * w2
-    kept = saves != Saves.INPUTS and _selects_attention(config.attention, device)
-    return Flops(projections=projections, attention=0 if kept else blocks * model.attention // config.num_layers,
-                 lm_head=0)
-
-
-def _selects_attention(attention: Attention, device: str) -> bool:
-    """Whether op-level selection can keep attention's outputs: SDPA's kernels and our Triton FlashAttention-2's
-    custom op, not attention written out (seq² scores) or FlashAttention-2 in PyTorch ops (flash off CUDA)."""
-    return attention == Attention.SDPA or (attention == Attention.FLASH and device == "cuda")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,7 +83,7 @@ def model_state(config: TransformerConfig, precision: Precision) -> ModelState:
 def residual_stream_bytes(config: TransformerConfig, batch_size: int, seq: int, precision: Precision) -> int:
     """One (batch, seq, d_model) residual-stream tensor, in the weights' dtype: fp32 even under autocast,
     because the embedding's output is fp32 and each residual add promotes the low-precision branch to it."""
-    _check_shape(config, batch_size, seq)
+    check_shape(config, batch_size, seq)
     return precision.weight_bytes * batch_size * seq * config.d_model
 
 
@@ -202,7 +133,7 @@ def activation_memory(config: TransformerConfig, batch_size: int, seq: int, prec
     writes its output (batch, seq, heads, d_head)-major, so the out projection saves a view of it,
     and CUDA autocast runs softmax in fp32 while CPU autocast does not."""
     attention = Attention(attention or config.attention)
-    _check_shape(config, batch_size, seq)
+    check_shape(config, batch_size, seq)
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     block = _block_activations(config, batch_size, seq, precision, attention, device)
@@ -210,7 +141,8 @@ def activation_memory(config: TransformerConfig, batch_size: int, seq: int, prec
     logits = FP32 * tokens * config.vocab_size
     # fp32 logits (amax), exp (its backward), logits minus max (gather), the max and the sum.
     loss = 3 * logits + 2 * FP32 * tokens
-    head = _norm_saved(tokens, config.d_model) + tokens * config.d_model * precision.compute.itemsize + loss
+    norm = _norm_saved(config, tokens, precision)
+    head = norm + tokens * config.d_model * precision.compute.itemsize + loss
     selected, untaken = _selected(config, batch_size, seq, precision, attention, device)
     return Activations(per_layer=block.total, num_layers=config.num_layers, head=head, logits=logits,
                        segment_input=residual_stream_bytes(config, batch_size, seq, precision),
@@ -227,16 +159,18 @@ def _selected(config: TransformerConfig, batch_size: int, seq: int, precision: P
         return 0, 0
     low, tokens = precision.compute.itemsize, batch_size * seq
     act = tokens * config.d_model * low
-    kept = act + FP32 * batch_size * config.num_heads * seq if _selects_attention(attention, device) else 0
+    kept = act + FP32 * batch_size * config.num_heads * seq if selects_attention(attention, device) else 0
     if config.checkpoint_saves == Saves.ATTENTION:
         return kept, 0
     return kept + 5 * act + 2 * tokens * config.d_ff * low, act
 
 
-def _norm_saved(tokens: int, d_model: int) -> int:
+def _norm_saved(config: TransformerConfig, tokens: int, precision: Precision) -> int:
     """An RMSNorm's saved tensors: its fp32 input (the residual stream, or an fp32 copy of a bf16 one), the
-    normalized input and the rsqrt."""
-    return 2 * FP32 * tokens * d_model + FP32 * tokens
+    normalized input and the rsqrt; the fused kernel's, its input as it comes (the residual stream) and 1/rms."""
+    if config.fused.fuses(Fused.RMSNORM):
+        return tokens * config.d_model * precision.weights.itemsize + FP32 * tokens
+    return 2 * FP32 * tokens * config.d_model + FP32 * tokens
 
 
 @dataclass(frozen=True)
@@ -260,11 +194,13 @@ def _block_activations(config: TransformerConfig, batch_size: int, seq: int, pre
     casts = precision.weights != precision.compute  # autocast casts the fp32 residual stream and tables
     tokens = batch_size * seq
     act = tokens * config.d_model * low  # one (batch, seq, d_model) tensor in the matmul dtype
-    norm = _norm_saved(tokens, config.d_model)
+    norm = _norm_saved(config, tokens, precision)
     ffn_in = 2 * act if casts else act  # w1 and w3 each cast the same fp32 input
-    swiglu = 4 * tokens * config.d_ff * low  # w1 out (SiLU input), SiLU out, w3 out, product (w2 input)
+    # w1 out (SiLU input), SiLU out (not kept by the fused kernel), w3 out, product (w2 input)
+    swiglu = (3 if config.fused.fuses(Fused.SWIGLU) else 4) * tokens * config.d_ff * low
     ffn = norm + ffn_in + swiglu
-    rope_tables = 2 * 2 * seq * (config.d_head // 2) * low if casts else 0  # cos/sin casts for q and k
+    fused_rope = config.fused.fuses(Fused.ROPE)  # reads the fp32 tables; writes q and k (batch, seq)-major
+    rope_tables = 2 * 2 * seq * (config.d_head // 2) * low if casts and not fused_rope else 0  # cos/sin casts
     # qkv's input (autocast casts an fp32 norm output), q and k after RoPE.
     attention_in = norm + act + rope_tables + 2 * act
     if attention == "naive":
@@ -274,7 +210,11 @@ def _block_activations(config: TransformerConfig, batch_size: int, seq: int, pre
         v = 3 * act if 1 in (batch_size, config.num_heads) else act
         return _BlockActivations(ffn=ffn, attention_out=v + scores.probs_cast + act, attention_in=attention_in,
                                  scores=scores.mask + scores.probs)
-    out_copy = 0 if attention == "sdpa" and device == "cuda" else act
+    # The out projection's copy of attention's output, unless that is (batch, seq)-major already: CUDA SDPA's always;
+    # on a CPU SDPA's and FlashAttention-2 in PyTorch follow q's layout, which the fused RoPE writes so. (Our Triton
+    # kernel's, on CUDA, is (batch, heads)-major whatever q's layout.)
+    follows_q = device == "cpu" and fused_rope
+    out_copy = 0 if (attention == "sdpa" and device == "cuda") or follows_q else act
     # qkv output (kept whole through the V view), output, fp32 logsumexp
     lse = FP32 * batch_size * config.num_heads * seq
     return _BlockActivations(ffn=ffn, attention_out=3 * act + act + lse + out_copy, attention_in=attention_in,
@@ -397,10 +337,3 @@ def _optimizer_transient(config: TransformerConfig, precision: Precision, device
         return 0
     temporaries = 2 if precision.weights == torch.float32 else 3
     return temporaries * FP32 * max(config.vocab_size * config.d_model, config.d_model * config.d_ff)
-
-
-def _check_shape(config: TransformerConfig, batch_size: int, seq: int) -> None:
-    if batch_size < 1 or seq < 1:
-        raise ValueError(f"batch_size and seq must be positive, got {batch_size} and {seq}")
-    if seq > config.context_length:
-        raise ValueError(f"seq={seq} exceeds context_length={config.context_length}")

@@ -220,8 +220,8 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
         Option("--ffn-bandwidth-mb", _positive(float), "4", "MiB of the collectives that calibrate W (the issue's: "
                "100 or more on GPUs)", many=True),
         Option("--leaderboard-models", _leaderboard_model, "ours,cs336_basics", "ours (our FSDP, with --attention, "
-               "--loss-chunk, --leaderboard-checkpoint, --fused, --compile-blocks) and/or cs336_basics (the course's reference model, skipped "
-               "where it is not importable)", many=True),
+               "--loss-chunk, --leaderboard-checkpoint, --fused, --compile-blocks) and/or cs336_basics (the course's "
+               "reference model, skipped where it is not importable)", many=True),
         Option("--leaderboard-preset", _name, "leaderboard-2026-tiny", "the model; the handout's: leaderboard-2026"),
         Option("--leaderboard-context", _positive(int), "64", "sequence length; the handout's: 32768"),
         Option("--leaderboard-batch", _positive(int), "2", "sequences in the whole batch (the handout's 2), split "

@@ -172,9 +172,9 @@ def fullstep_tables(run: Run) -> list[Table]:
                    "cold start (s)"],
                   note="Step: mean over ranks of their medians of the timed steps; do_bench step: the leaderboard's "
                        "figure, triton's do_bench median on the slowest rank (GPU only). MFU and tokens/s come from "
-                       "the do_bench step where there is one; MFU counts model FLOPs, recomputation left out: attention's "
-                       "causal half, its backward 2.5 times its forward (the leaderboard's count, FlashAttention's); "
-                       "torchtitan's count takes attention whole, its backward twice its forward. "
+                       "the do_bench step where there is one; MFU counts model FLOPs, recomputation left out: "
+                       "attention's causal half, its backward 2.5 times its forward (the leaderboard's count, "
+                       "FlashAttention's); torchtitan's count takes attention whole, its backward twice its forward. "
                        "Predicted peak: the largest rank's (systems.accounting.fsdp_memory for our FSDP). Cold "
                        "start: from the pytest process's start to the end of the point's timed job.")
     for r in results:
