@@ -93,8 +93,9 @@ def test_compiled_blocks_match_eager(ranks, case):
 @pytest.mark.parametrize("case", CASES)
 def test_blocks_compile_once_breaking_only_at_fsdps_hooks(ranks, case):
     """The first step compiles (identical blocks share the graphs); later steps and the recomputations run what it
-    compiled, with no new graph, graph break or recompilation. Every graph break is at a hook FSDP runs eagerly (torch.compiler.disable): a gather around each sharded layer. The
-    fused kernels' autograd Functions trace into the graphs (their launches are custom ops)."""
+    compiled, with no new graph, graph break or recompilation. Every graph break is at a hook FSDP runs eagerly
+    (torch.compiler.disable): a gather around each sharded layer, and its saved-tensor hooks. The fused kernels'
+    autograd Functions trace into the graphs (their launches are custom ops)."""
     for runs in runs_of(ranks, case):
         first, *later = runs["compiled"]
         assert first["graphs"] > 0 and first["recompiles"] == 0

@@ -231,8 +231,7 @@ def test_an_older_history_gains_the_levers_added_since(tmp_path, kind):
     assert migrate.main([str(path)]) == 0
     (oom,) = json.loads(path.read_text())["out_of_memory"]
     assert read_point(oom[POINT]) == point and oom["name"].endswith(test_id)
-    assert str(dataclasses.replace(point, fused=Fused.ALL, compile=True)).split("-rep")[0].endswith(
-        "-fused-all-compiled")
+    assert "-fused-all-compiled" in str(dataclasses.replace(point, fused=Fused.ALL, compile=True))
 
 
 def test_migration_knows_every_kind():

@@ -251,9 +251,12 @@ def test_fullstep_table_is_compact_and_replaces_the_dump_of_every_figure(tmp_pat
     rows = columns_and_rows(out / "fullstep.md")
     assert [(row["context"], row["attention"], row["checkpoint every"], row["gather"]) for row in rows] == [
         ("32768", "flash", "none", "layer"), ("32768", "sdpa", "1", "block"), ("65536", "sdpa", "1", "layer")]
-    assert {k: rows[1][k] for k in ("step", "do_bench step", "MFU", "tokens/s", "peak per rank", "predicted peak",
+    # torchtitan's count of the same step (attention whole, a backward of two forwards) is 1.2965 times ours
+    assert {k: rows[1][k] for k in ("fused kernels", "compiled", "step", "do_bench step", "MFU",
+                                    "MFU, torchtitan's count", "tokens/s", "peak per rank", "predicted peak",
                                     "peak / predicted", "cold start (s)")} == {
-        "step": "6.53", "do_bench step": "6.5", "MFU": "39.4%", "tokens/s": "10,124", "peak per rank": "68.88, 68.36",
+        "fused kernels": "none", "compiled": "no", "step": "6.53", "do_bench step": "6.5", "MFU": "39.4%",
+        "MFU, torchtitan's count": "51.1%", "tokens/s": "10,124", "peak per rank": "68.88, 68.36",
         "predicted peak": "68.56", "peak / predicted": "1.00", "cold start (s)": "115.5"}
     assert rows[2]["step"] == "OOM"
     assert sorted(path.name for path in out.glob("*.md")) == ["fullstep.md", "report.md"]
