@@ -111,7 +111,8 @@ def run_layouts() -> list[dict]:
     runs.append((Placement(FFNLayout.TP, 1, dist.get_world_size()), True))
     results = []
     for placement, without_g in runs:
-        with mock.patch.object(swiglu, "reduce_from_region", lambda y, group: y) if without_g else contextlib.nullcontext():
+        no_g = mock.patch.object(swiglu, "reduce_from_region", lambda y, group: y)
+        with no_g if without_g else contextlib.nullcontext():
             laid = lay_out(placement, BATCH, D_MODEL, D_FF, torch.float64, device, seed=SEED)
             x_rows = x[laid.rows].clone().requires_grad_(True)
             with IssuedCollectives() as forward:
