@@ -129,8 +129,9 @@ class Activations:
 def activation_memory(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, *,
                       attention: Attention | None = None, device: str = "cuda") -> Activations:
     """Saved-for-backward bytes for `attention` ("naive" has the seq² terms; "sdpa" and "flash" keep
-    q, k, v, the output and its logsumexp). `device` matters where kernels differ: CUDA's fused SDPA
-    writes its output (batch, seq, heads, d_head)-major, so the out projection saves a view of it,
+    q, k, v, the output and its logsumexp). `device` matters where kernels differ: CUDA's SDPA as
+    cuDNN runs it (on Hopper, for the presets' head dims; small ones get other backends) writes its output
+    (batch, seq, heads, d_head)-major, so the out projection saves a view of it,
     and CUDA autocast runs softmax in fp32 while CPU autocast does not."""
     attention = Attention(attention or config.attention)
     check_shape(config, batch_size, seq)
@@ -210,7 +211,7 @@ def _block_activations(config: TransformerConfig, batch_size: int, seq: int, pre
         v = 3 * act if 1 in (batch_size, config.num_heads) else act
         return _BlockActivations(ffn=ffn, attention_out=v + scores.probs_cast + act, attention_in=attention_in,
                                  scores=scores.mask + scores.probs)
-    # The out projection's copy of attention's output, unless that is (batch, seq)-major already: CUDA SDPA's always;
+    # The out projection's copy of attention's output, unless that is (batch, seq)-major already: cuDNN's SDPA's always;
     # on a CPU SDPA's and FlashAttention-2 in PyTorch follow q's layout, which the fused RoPE writes so. (Our Triton
     # kernel's, on CUDA, is (batch, heads)-major whatever q's layout.)
     follows_q = device == "cpu" and fused_rope
