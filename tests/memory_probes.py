@@ -1,5 +1,5 @@
-"""Measurements of memory on the CPU that the accounting's tests compare with: the bytes autograd saves, and
-the peak the CPU allocator holds in tensors."""
+"""Measurements of memory that the accounting's tests compare with: the bytes autograd saves, the peak the CPU
+allocator holds in tensors, and a phase's peak on a GPU."""
 
 import itertools
 
@@ -124,3 +124,22 @@ def training_peaks(config, batch_size: int, seq: int, precision) -> dict[str, in
     peaks["train_step"] = state.training + cpu_peak_bytes(
         lambda: train_step(model, optimizer, tokens, targets, precision))
     return peaks
+
+
+def cuda_phase_peak(model, optimizer, tokens, targets, precision, phase: str) -> tuple[int, int]:
+    """A phase ("forward": forward and loss; "step": a training step) run twice on the GPU, the first to warm up
+    (kernels, cuBLAS's workspace and for the step the optimizer's state): the bytes allocated before the second run,
+    and its peak."""
+    def run():
+        if phase == "forward":
+            forward_loss(model, tokens, targets, precision)
+        else:
+            train_step(model, optimizer, tokens, targets, precision)
+
+    run()
+    torch.cuda.synchronize(tokens.device)
+    resident = torch.cuda.memory_allocated(tokens.device)
+    torch.cuda.reset_peak_memory_stats(tokens.device)
+    run()
+    torch.cuda.synchronize(tokens.device)
+    return resident, torch.cuda.max_memory_allocated(tokens.device)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from memory_probes import cpu_peak_bytes, saved_tensor_bytes, training_peaks
+from memory_probes import cpu_peak_bytes, cuda_phase_peak, saved_tensor_bytes, training_peaks
 from systems.accounting import (GB, TPU_V5P_BYTES, TPU_V5P_FLOPS, TPU_V5P_ICI_BANDWIDTH, XXL, BucketedAllReduce,
                                 FFNStack, activation_memory, count_matmul_parameters, count_parameters,
                                 devices_to_hold, flops, fsdp_tp_compute_bound_batch, model_state,
@@ -16,7 +16,7 @@ from systems.loss import cross_entropy
 from systems.model import EDITIONS, TransformerConfig, TransformerLM, get_config
 from systems.optim import AdamW
 from systems.precision import PRECISIONS
-from systems.step import forward_loss, make_model, random_batch, train_step
+from systems.step import forward_loss, make_model, random_batch
 
 CPU = torch.device("cpu")
 # Many heads over a long sequence, thin blocks and a small vocabulary: written-out attention's seq² tensors, saved
@@ -224,20 +224,8 @@ def test_peak_memory_matches_cuda(preset, context, precision, phase, device):
     with device:
         model = TransformerLM(config)
     tokens, targets = random_batch(config, batch_size, context, device)
-    optimizer = AdamW(model.parameters())
-
-    def run():
-        if phase == "forward":
-            forward_loss(model, tokens, targets, precision)
-        else:
-            train_step(model, optimizer, tokens, targets, precision)
-
-    run()  # warm-up: kernels, cuBLAS workspace, and for the step the optimizer state
-    torch.cuda.synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    run()
-    torch.cuda.synchronize(device)
-    measured = torch.cuda.max_memory_allocated(device) - base
+    _, peak = cuda_phase_peak(model, AdamW(model.parameters()), tokens, targets, precision, phase)
+    measured = peak - base
     predicted = peak_memory(config, batch_size, context, precision)
     assert (predicted.forward if phase == "forward" else predicted.train_step) == pytest.approx(measured, rel=0.1)
 

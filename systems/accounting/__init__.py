@@ -1,9 +1,9 @@
-"""Executable arithmetic: parameters and memory of the Transformer LM (transformer.py) and its FLOPs (flops.py),
-with activation checkpointing (checkpointing.py) and written-out attention's seq² tensors (scores.py), the parallelism
-arithmetic of the scaling book (scaling.py), one SwiGLU layer under DP, FSDP, TP and FSDP x TP (ffn_layouts.py: the
-2026 handout's section 8), bucketed all-reduce time (allreduce.py), per-rank memory under FSDP and HSDP
-(sharding.py), the bytes a rank sends on each axis of a layout, collective by collective (traffic.py), and which
-layout a cluster of nodes runs fastest (layouts.py)."""
+"""Executable arithmetic: parameters and memory of the Transformer LM (transformer.py; its LM head and loss:
+loss.py) and its FLOPs (flops.py), with activation checkpointing (checkpointing.py) and written-out attention's seq²
+tensors (scores.py), the parallelism arithmetic of the scaling book (scaling.py), one SwiGLU layer under DP, FSDP,
+TP and FSDP x TP (ffn_layouts.py: the 2026 handout's section 8), bucketed all-reduce time (allreduce.py), per-rank
+memory under FSDP and HSDP (sharding.py), the bytes a rank sends on each axis of a layout, collective by collective
+(traffic.py), and which layout a cluster of nodes runs fastest (layouts.py)."""
 
 from systems.accounting.allreduce import BucketedAllReduce, fit_bucketed_allreduce
 from systems.accounting.checkpointing import Checkpointing, recomputed_blocks

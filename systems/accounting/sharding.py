@@ -23,7 +23,8 @@ A step adds, at each moment, four things (`Moment`), and its peak is the largest
 - activations: a model whose weights are in the compute dtype saves them (`bf16-weights`' activations for
   bf16 compute, the residual stream in bf16), plus the casts of the fp32 RoPE tables; with checkpointing,
   the segment inputs and one recomputed segment (checkpointing.held_in_backward); the loss's whole logits,
-  or with `loss_chunk` one chunk's logits at a time and its fp32 gradient of the LM head.
+  or with `loss_chunk` (or the fused loss) one chunk's logits at a time and its fp32 gradient of the LM head
+  (loss.py).
 
 HSDP (`hsdp_memory`, a Layout of replicas x shards) is FSDP over the shard group (shards of ceil(numel / shard))
 with one more stage: a group's chunks, once reduce-scattered, are concatenated and all-reduced over the replicas
@@ -50,6 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from systems.accounting.checkpointing import held_in_backward, segment_starts
+from systems.accounting.loss import chunks_the_loss
 from systems.accounting.transformer import activation_memory, count_parameters, model_state
 from systems.model import TransformerConfig
 from systems.parallel.fsdp import REDUCE_SCATTERS_IN_FLIGHT
@@ -239,34 +241,21 @@ def _forward_and_loss(config, batch_size, seq, precision, rank, ahead, device) -
     d, vocab, tokens = config.d_model, config.vocab_size, batch_size * seq
     c = rank.compute
     acts = _activations(config, batch_size, seq, precision, device)
-    head_input = acts.head - (3 * acts.logits + 2 * FP32 * tokens)  # the final norm's and the LM head's input
     head = rank.gathered(vocab * d)
     # The LM head's backward prefetches the top block's w2 onwards, unless checkpointing recomputes them first.
     prefetched = ahead.after(1)
-    kept = acts.blocks + head_input
-    grad_hidden = tokens * d * c
-    if config.loss_chunk is None:
-        grad_logits = tokens * vocab * c
-        return [Moment("forward", 0, head, 0, acts.total),
-                # Nothing gathered until the LM head's backward asks for its weight; the loss's gradient of the
-                # fp32 logits and amax's mask beside what it saved.
-                Moment("loss backward", 0, 0, 0, acts.total + acts.logits + acts.logits // FP32),
-                Moment("lm head gradient", 0, head + prefetched, vocab * d * c, kept + grad_logits + grad_hidden)]
-    chunk = min(config.loss_chunk, tokens)
-    logits = FP32 * chunk * vocab  # one chunk's fp32 logits
-    low_logits = chunk * vocab * c if c < FP32 else 0  # the matmul's output before its cast to fp32, or after
-    # Forward: log-sum-exp and losses per token; a chunk's fp32 logits and logsumexp's fp32 temporary (the
-    # logits less their max, exponentiated in place), above the matmul's output and its cast alive together
-    # (the previous chunk's logits are freed first).
-    forward = kept + 2 * FP32 * tokens + 2 * logits
-    # Backward: the weight's gradient summed in fp32 over the chunks; a chunk's softmax (in place of its
-    # logits), its cast to the compute dtype, and its term of the weight's gradient, which the in-place add
-    # promotes to fp32 first where it is not; at the end that sum cast to the compute dtype.
-    summed, term = FP32 * vocab * d, vocab * d * c
-    promoted = FP32 * vocab * d if c < FP32 else 0
-    backward = kept + FP32 * tokens + grad_hidden + summed + max(logits + low_logits + term + promoted,
-                                                                 term if c < FP32 else 0)
-    return [Moment("forward", 0, head, 0, forward), Moment("loss backward", 0, head + prefetched, 0, backward)]
+    if chunks_the_loss(config):
+        # The hidden states reach the head in the compute dtype (FSDP casts a sharded module's inputs), and so
+        # does the gathered weight: the loss casts neither (loss.py).
+        return [Moment("forward", 0, head, 0, acts.total + acts.loss.forward),
+                Moment("loss backward", 0, head + prefetched, 0, acts.total + acts.loss.backward)]
+    kept = acts.blocks + acts.final_norm + tokens * d * c  # and the LM head's input
+    grad_logits, grad_hidden = tokens * vocab * c, tokens * d * c
+    return [Moment("forward", 0, head, 0, acts.total),
+            # Nothing gathered until the LM head's backward asks for its weight; the loss's gradient of the
+            # fp32 logits and amax's mask beside what it saved.
+            Moment("loss backward", 0, 0, 0, acts.total + acts.loss.backward),
+            Moment("lm head gradient", 0, head + prefetched, vocab * d * c, kept + grad_logits + grad_hidden)]
 
 
 def _blocks_backward(config, batch_size, seq, precision, rank, ahead, groups, device) -> list[Moment]:

@@ -4,10 +4,9 @@ The memory model follows what this repository's model makes autograd save (syste
 RMSNorm works in fp32, so the residual stream and both norms' saved tensors stay fp32 under
 autocast (with bf16 weights the residual stream is bf16, and the norms save fp32 copies of it);
 RoPE saves only its cos/sin tables; SwiGLU saves w1's and w3's outputs, the SiLU and
-the product; cross_entropy upcasts the logits and keeps three (batch, seq, vocab) fp32 tensors.
+the product; the LM head and loss as loss.py says (whole, chunked or fused).
 The blocks' fused kernels (`config.fused`) keep less: RMSNorm its input as it comes and 1/rms, SwiGLU no SiLU
-output, RoPE no table casts (and q and k laid out as v is, which some attention kernels' outputs follow); the
-fused loss is not modelled (counted as the eager loss).
+output, RoPE no table casts (and q and k laid out as v is, which some attention kernels' outputs follow).
 tests/test_accounting.py checks it against the tensors autograd actually saves (CPU) and against
 torch.cuda.max_memory_allocated (GPU). Activation memory and peak memory follow the config's activation
 checkpointing, selective included (checkpointing.py holds its arithmetic; tests/test_checkpointing.py checks
@@ -24,6 +23,7 @@ import torch
 
 from systems.accounting.checkpointing import Checkpointing, held_in_backward, kept_inputs, least_peak_levels
 from systems.accounting.flops import check_shape, selects_attention
+from systems.accounting.loss import LossMemory, chunks_the_loss, loss_memory
 from systems.accounting.scores import written_out_backward_peak, written_out_forward_peak, written_out_scores
 from systems.model import Attention, Fused, TransformerConfig
 from systems.precision import FP32, Precision
@@ -88,13 +88,13 @@ def residual_stream_bytes(config: TransformerConfig, batch_size: int, seq: int, 
 
 
 def kept_weight_copies(config: TransformerConfig, precision: Precision) -> int:
-    """The autocast weight copies autograd keeps after the forward: every matmul's, or under checkpointing the LM
-    head's and those of the blocks left out (the checkpointed blocks' leave with the forward's autocast cache)."""
-    if not config.checkpoint:
-        return model_state(config, precision).autocast_weights
+    """The autocast weight copies autograd keeps after the forward: every block's, or under checkpointing those of
+    the blocks left out (the checkpointed blocks' leave with the forward's autocast cache), and the LM head's where
+    the loss is whole (the chunked losses cast the weight themselves, and keep no copy)."""
     d = config.d_model
-    layer = 4 * d * d + 3 * d * config.d_ff
-    return precision.autocast_copy_bytes * (d * config.vocab_size + config.checkpoint_keep * layer)
+    kept_layers = config.checkpoint_keep if config.checkpoint else config.num_layers
+    head = 0 if chunks_the_loss(config) else d * config.vocab_size
+    return precision.autocast_copy_bytes * (head + kept_layers * (4 * d * d + 3 * d * config.d_ff))
 
 
 @dataclass(frozen=True)
@@ -103,8 +103,8 @@ class Activations:
 
     per_layer: int
     num_layers: int
-    head: int  # final norm, LM head input and cross-entropy
-    logits: int  # one fp32 (batch, seq, vocab) tensor, the unit of the loss's transients
+    final_norm: int  # the final norm's saved tensors
+    loss: LossMemory  # the LM head's and the loss's
     segment_input: int  # one residual-stream tensor: what checkpointing keeps of a segment
     checkpoint: tuple[int, ...] = ()  # TransformerConfig.checkpoint
     keep: int = 0  # TransformerConfig.checkpoint_keep
@@ -120,6 +120,10 @@ class Activations:
         checkpointed = self.num_layers - self.keep
         return (kept_inputs(checkpointed, self.checkpoint) * self.segment_input + checkpointed * self.selected
                 + self.keep * self.per_layer)
+
+    @property
+    def head(self) -> int:
+        return self.final_norm + self.loss.saved
 
     @property
     def total(self) -> int:
@@ -139,13 +143,12 @@ def activation_memory(config: TransformerConfig, batch_size: int, seq: int, prec
         raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
     block = _block_activations(config, batch_size, seq, precision, attention, device)
     tokens = batch_size * seq
-    logits = FP32 * tokens * config.vocab_size
-    # fp32 logits (amax), exp (its backward), logits minus max (gather), the max and the sum.
-    loss = 3 * logits + 2 * FP32 * tokens
-    norm = _norm_saved(config, tokens, precision)
-    head = norm + tokens * config.d_model * precision.compute.itemsize + loss
+    # The hidden states reach the head in the residual stream's dtype, the weights'.
+    loss = loss_memory(config, tokens, compute=precision.compute.itemsize, hidden=precision.weight_bytes,
+                       weight_cast=precision.autocast_copy_bytes, weight_grad=precision.grad_bytes, device=device)
     selected, untaken = _selected(config, batch_size, seq, precision, attention, device)
-    return Activations(per_layer=block.total, num_layers=config.num_layers, head=head, logits=logits,
+    return Activations(per_layer=block.total, num_layers=config.num_layers,
+                       final_norm=_norm_saved(config, tokens, precision), loss=loss,
                        segment_input=residual_stream_bytes(config, batch_size, seq, precision),
                        checkpoint=config.checkpoint, keep=config.checkpoint_keep, selected=selected,
                        untaken=untaken)
@@ -245,15 +248,14 @@ def peak_memory(config: TransformerConfig, batch_size: int, seq: int, precision:
     weights = state.params + state.buffers
     copy = precision.autocast_copy_bytes
     layer_copies = copy * (4 * d * d + 3 * d * d_ff)
+    # Autocast's weight copies in the forward: every matmul's, but the LM head's where the loss casts it itself.
+    forward_copies = state.autocast_weights - (copy * d * vocab if chunks_the_loss(config) else 0)
     after_forward = weights + kept_weight_copies(config, precision) + acts.total
-    forward = weights + state.autocast_weights + acts.total
+    forward = weights + forward_copies + acts.total + acts.loss.forward
     if attention == "naive":
         in_attention = written_out_forward_peak(config, batch_size, seq, precision, device, acts, block)
         forward = max(forward, weights + in_attention)
 
-    # The loss's backward briefly holds one more fp32 logits-sized gradient, and the bool mask of
-    # amax's gradient, than the forward kept.
-    loss_backward = acts.logits + acts.logits // FP32
     # Each block's backward frees its activations and weight copies and adds its gradients; its peak is inside
     # SwiGLU's backward (w2's gradient done, the product's two gradients being made) or, for written-out
     # attention, in its softmax's. Without checkpointing the blocks' peak is in the top block or the bottom one;
@@ -273,17 +275,17 @@ def peak_memory(config: TransformerConfig, batch_size: int, seq: int, precision:
         return weights + grad * (d * vocab + d) + (layers - 1 - i) * layer_grads + held + residual + in_block_peak
 
     all_grads = weights + state.grads
-    forward_backward = max(forward, after_forward + loss_backward, *map(in_block, range(layers)),
+    forward_backward = max(forward, after_forward + acts.loss.backward, *map(in_block, range(layers)),
                            all_grads + residual)
     train_step = state.optimizer + max(forward_backward, all_grads + _optimizer_transient(config, precision, device))
 
-    # No grad: the loss's fp32 logits copies, or one block's working set on top of the residual stream: SwiGLU's,
-    # or written-out attention's (the norm's output, qkv's, q and k).
-    working_set = max(3 * acts.logits, 2 * residual + 3 * tokens * d_ff * low)
+    # No grad: the loss's, or one block's working set on top of the residual stream: SwiGLU's, or written-out
+    # attention's (the norm's output, qkv's, q and k).
+    working_set = max(acts.loss.no_grad, 2 * residual + 3 * tokens * d_ff * low)
     if attention == "naive":
         scores = written_out_scores(config, batch_size, seq, precision, device)
         working_set = max(working_set, 2 * residual + 5 * tokens * d * low + scores.forward_working_set)
-    inference = weights + state.autocast_weights + working_set
+    inference = weights + forward_copies + working_set
     return PeakMemory(inference=inference, forward=forward, forward_backward=forward_backward,
                       train_step=train_step)
 
