@@ -36,7 +36,6 @@ from __future__ import annotations
 import itertools
 
 import torch
-import torch.distributed as dist
 
 from systems.accounting import flops, recomputed_flops
 from systems.bench.options import grid_of
@@ -44,6 +43,7 @@ from systems.bench.schema import FullStepMeasured, FullStepPoint
 from systems.bench.timing import record_measured, record_point, seconds_since_process_start
 from systems.bench.training import (breakdowns, gathered_mb, on_rank_gpus, predicted_peak_mb, spec_for,
                                     step_breakdown, train_in_ranks, training_measured)
+from systems.leaderboard import agreed_step_ms
 from systems.parallel.spec import TrainSpec, Variant
 
 # do_bench runs as many steps as fit in its time budgets, as each rank measures them; every rank must run the
@@ -78,23 +78,10 @@ def leaderboard_timing(model, step) -> dict:
         return {}
     from triton.testing import do_bench  # here: triton is a GPU dependency of this timing only
 
-    ms = _agreed_step_ms(step)
+    ms = agreed_step_ms(step, torch.device("cuda"), steps=1)
     seconds = do_bench(step, warmup=(DO_BENCH_WARMUP + 0.5) * ms, rep=(DO_BENCH_REPEATS + 0.5) * ms,
                        return_mode="median") / 1e3
     return {"do_bench_s": seconds} | step_breakdown(model, step)
-
-
-def _agreed_step_ms(step) -> float:
-    """One step's milliseconds, the slowest rank's, the same on every rank."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    step()
-    end.record()
-    torch.cuda.synchronize()
-    ms = torch.tensor([start.elapsed_time(end)], device="cuda")
-    if dist.is_initialized():
-        dist.all_reduce(ms, op=dist.ReduceOp.MAX)
-    return ms.item()
 
 
 def spec_of(point: FullStepPoint, grid) -> TrainSpec:

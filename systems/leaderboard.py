@@ -97,7 +97,7 @@ class Timing:
 def course_timing(step: Callable[[], None], rep_ms: float, warmup_ms: float, device: torch.device) -> Timing:
     """`step` timed as the course times it (see the module's docstring), the budgets agreed between ranks."""
     step()  # do_bench's first call, before its estimate: one untimed step
-    estimate = _agreed_estimate_ms(step, device)
+    estimate = agreed_step_ms(step, device)
     warmup_steps, timed_steps = max(1, int(warmup_ms / estimate)), max(1, int(rep_ms / estimate))
     if dist.is_initialized() and dist.get_world_size() > 1:  # the same counts, halfway between two of them
         rep_ms, warmup_ms = (timed_steps + 0.5) * estimate, (warmup_steps + 0.5) * estimate
@@ -125,18 +125,19 @@ def _host_ms(step: Callable[[], None]) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def _agreed_estimate_ms(step: Callable[[], None], device: torch.device) -> float:
-    """do_bench's estimate of a step (ESTIMATE_STEPS back to back), the slowest rank's."""
+def agreed_step_ms(step: Callable[[], None], device: torch.device, steps: int = ESTIMATE_STEPS) -> float:
+    """A step's milliseconds, the mean of `steps` back to back (do_bench's estimate by default), the slowest rank's:
+    the same on every rank, so that budgets made from it give every rank the same number of steps."""
     if device.type == "cuda":
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(ESTIMATE_STEPS):
+        for _ in range(steps):
             step()
         end.record()
         torch.cuda.synchronize(device)
-        estimate = start.elapsed_time(end) / ESTIMATE_STEPS
+        estimate = start.elapsed_time(end) / steps
     else:
-        estimate = sum(_host_ms(step) for _ in range(ESTIMATE_STEPS)) / ESTIMATE_STEPS
+        estimate = sum(_host_ms(step) for _ in range(steps)) / steps
     if dist.is_initialized():
         agreed = torch.tensor([estimate], device=device)
         dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
