@@ -72,6 +72,8 @@ def loss_memory(config: TransformerConfig, tokens: int, compute: int, hidden: in
     logits_gradient = fp32_logits + (low_logits if fused or compute < FP32 else 0)  # eager in fp32: one tensor
     cast_sum = vocab * d * weight_grad if weight_grad < FP32 else 0
     gradient = max(logits_gradient + hidden_cast + term + promoted, cast_sum)
-    return LossMemory(saved=tokens * d * hidden + FP32 * tokens, forward=cast + FP32 * tokens + in_chunk,
-                      backward=cast + tokens * d * hidden + summed + gradient,
-                      no_grad=tokens * d * hidden + cast + 2 * FP32 * tokens + in_chunk)
+    saved, forward = tokens * d * hidden + FP32 * tokens, cast + FP32 * tokens + in_chunk
+    # Under no_grad the forward holds the same: nothing it keeps is kept for a backward but the hidden states
+    # and log-sum-exps it needs anyway.
+    return LossMemory(saved=saved, forward=forward, backward=cast + tokens * d * hidden + summed + gradient,
+                      no_grad=saved + forward)

@@ -87,14 +87,19 @@ def residual_stream_bytes(config: TransformerConfig, batch_size: int, seq: int, 
     return precision.weight_bytes * batch_size * seq * config.d_model
 
 
+def head_weight_copy(config: TransformerConfig, precision: Precision) -> int:
+    """The LM head's autocast weight copy: made, and kept for the backward, where the loss is whole; the chunked
+    losses cast the weight themselves (loss.py) and keep no copy."""
+    return 0 if chunks_the_loss(config) else precision.autocast_copy_bytes * config.d_model * config.vocab_size
+
+
 def kept_weight_copies(config: TransformerConfig, precision: Precision) -> int:
     """The autocast weight copies autograd keeps after the forward: every block's, or under checkpointing those of
-    the blocks left out (the checkpointed blocks' leave with the forward's autocast cache), and the LM head's where
-    the loss is whole (the chunked losses cast the weight themselves, and keep no copy)."""
+    the blocks left out (the checkpointed blocks' leave with the forward's autocast cache), and the LM head's."""
     d = config.d_model
     kept_layers = config.checkpoint_keep if config.checkpoint else config.num_layers
-    head = 0 if chunks_the_loss(config) else d * config.vocab_size
-    return precision.autocast_copy_bytes * (head + kept_layers * (4 * d * d + 3 * d * config.d_ff))
+    layer = precision.autocast_copy_bytes * (4 * d * d + 3 * d * config.d_ff)
+    return kept_layers * layer + head_weight_copy(config, precision)
 
 
 @dataclass(frozen=True)
@@ -248,8 +253,8 @@ def peak_memory(config: TransformerConfig, batch_size: int, seq: int, precision:
     weights = state.params + state.buffers
     copy = precision.autocast_copy_bytes
     layer_copies = copy * (4 * d * d + 3 * d * d_ff)
-    # Autocast's weight copies in the forward: every matmul's, but the LM head's where the loss casts it itself.
-    forward_copies = state.autocast_weights - (copy * d * vocab if chunks_the_loss(config) else 0)
+    # Autocast's weight copies in the forward: every block's, and the LM head's unless the loss casts it itself.
+    forward_copies = config.num_layers * layer_copies + head_weight_copy(config, precision)
     after_forward = weights + kept_weight_copies(config, precision) + acts.total
     forward = weights + forward_copies + acts.total + acts.loss.forward
     if attention == "naive":
