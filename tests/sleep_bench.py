@@ -61,7 +61,8 @@ def histories(pytester) -> list[Path]:
     return sorted(pytester.path.glob(".benchmarks/*/*.json"))
 
 
-def regressed(result) -> list[str]:
-    """The points pytest-benchmark lists under 'Performance has regressed'."""
-    text = result.stdout.str() + result.stderr.str()
-    return re.findall(r"^\s+(test_\w+) .* has failed PercentageRegressionCheck", text, re.MULTILINE)
+def gate_rows(result) -> dict[str, str]:
+    """{point: verdict} from the gate's table."""
+    verdicts = r"SLOWER|ok|new, not gated|UNDECIDED[^\n]*|undecided \(accepted\)[^\n]*"
+    rows = re.findall(rf"^test_\w+\.py::(test_\w+) .*  ({verdicts})$", result.stdout.str(), re.MULTILINE)
+    return dict(rows)

@@ -1,14 +1,15 @@
 """Benchmark histories and the regression gate, through real pytest runs of a sleep benchmark.
 
-The gate trips on a 2x slowdown and passes when the same code is compared with itself; it compares each point
-with the newest complete run of the same GPU kind that holds it; a run that stopped early is saved as partial
-and skipped by the gate and the report; runs saving at once get distinct numbers; and
---benchmark-gate-against times a revision and the working tree in turns.
+The gate trips on a 2x slowdown and passes when the same code is compared with itself; it compares each point's
+rounds with those of the newest complete run of the same GPU kind that holds it; a point it cannot decide fails
+unless accepted; samples that could never decide are refused at start-up; a run that stopped early is saved as
+partial and skipped by the gate and the report; runs saving at once get distinct numbers; and
+--benchmark-gate-against times a revision and the working tree in turns, its evidence saved with the run.
 """
 
+import functools
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -17,8 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from sleep_bench import BENCH, GATE, bench, histories, regressed  # noqa: F401 (bench is a fixture)
+from sleep_bench import BENCH, GATE, bench, gate_rows, histories  # noqa: F401 (bench is a fixture)
 from systems import report
+from systems.bench.gate import GATE_RECORD
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -32,7 +34,7 @@ def test_gate_saves_a_first_baseline_passes_on_same_code_and_trips_on_2x_slowdow
     assert same.ret == 0, same.stdout.str()
     slow = bench(GATE, SLOWDOWN=2)
     assert slow.ret != 0
-    assert sorted(regressed(slow)) == ["test_first", "test_last"]
+    assert gate_rows(slow) == {"test_first": "SLOWER", "test_last": "SLOWER"}
 
 
 def test_gate_ignores_runs_from_another_gpu_kind(bench, inner_pytest):
@@ -53,7 +55,7 @@ def test_gate_compares_each_point_with_the_newest_run_that_holds_it(bench):
     bench(GATE, "-k", "first").assert_outcomes(passed=1)  # the newest run, without test_last
     slow = bench(GATE, SLOWDOWN_last=2)
     assert slow.ret != 0
-    assert regressed(slow) == ["test_last"]  # against the first run
+    assert gate_rows(slow) == {"test_first": "ok", "test_last": "SLOWER"}  # test_last against the first run
 
 
 @pytest.mark.parametrize("stop, args, complete", [
@@ -84,6 +86,7 @@ def test_gate_and_report_skip_partial_runs(bench, inner_pytest, tmp_path):
     saved["systems_lab_complete"] = False
     for point in saved["benchmarks"]:
         point["stats"] = {k: v * 4 if k in ("min", "max", "mean", "median") else v for k, v in point["stats"].items()}
+        point["stats"]["data"] = [seconds * 4 for seconds in point["stats"]["data"]]
     partial = complete.with_name(complete.name.replace("0001_", "0002_").replace(".json", "_partial.json"))
     partial.write_text(json.dumps(saved))
 
@@ -98,7 +101,46 @@ def test_gate_and_report_skip_partial_runs(bench, inner_pytest, tmp_path):
 
     slow = bench(GATE, SLOWDOWN=2)
     assert slow.ret != 0
-    assert sorted(regressed(slow)) == ["test_first", "test_last"]
+    assert gate_rows(slow) == {"test_first": "SLOWER", "test_last": "SLOWER"}
+
+
+# Rounds of 2 and 20 ms in both trees: one distribution, but the shift's interval spans a factor of ten.
+NOISY = """
+import time
+
+
+def test_noisy(benchmark):
+    delays = iter([0.002, 0.02] * 10)
+    benchmark.pedantic(lambda: time.sleep(next(delays)), rounds=5)
+"""
+
+
+def test_a_point_the_gate_cannot_decide_fails_unless_accepted_and_is_listed(inner_pytest):
+    inner_pytest.makepyfile(test_noisy=NOISY)
+    run = functools.partial(inner_pytest.runpytest_subprocess, "-p", "no:cacheprovider", GATE)
+    run().assert_outcomes(passed=1)  # the baseline
+    undecided = run()
+    assert undecided.ret == pytest.ExitCode.TESTS_FAILED
+    [row] = gate_rows(undecided).values()
+    assert row.startswith("UNDECIDED: the change is at most the threshold, its interval too wide to tell; needs ")
+    assert "1 of 1 points undecided: test_noisy.py::test_noisy" in undecided.stdout.str()
+    accepted = run("--benchmark-gate-accept-undecided")
+    assert accepted.ret == 0
+    assert list(gate_rows(accepted).values())[0].startswith("undecided (accepted): ")
+    assert "1 of 1 points undecided, accepted: test_noisy.py::test_noisy" in accepted.stdout.str()
+
+
+def test_a_baseline_saved_without_its_rounds_is_undecided_not_passed(bench, inner_pytest):
+    bench(GATE).assert_outcomes(passed=3)
+    (history,) = histories(inner_pytest)
+    saved = json.loads(history.read_text())
+    for point in saved["benchmarks"]:
+        del point["stats"]["data"]  # as pytest-benchmark saves without --benchmark-save-data
+    history.write_text(json.dumps(saved))
+    same = bench(GATE)
+    assert same.ret == pytest.ExitCode.TESTS_FAILED
+    assert set(gate_rows(same).values()) == {f"UNDECIDED: its baseline ({history.name}) was saved without its rounds; "
+                                             "save a new one"}
 
 
 def test_report_without_a_complete_run_is_a_one_line_error(tmp_path, capsys):
@@ -163,13 +205,6 @@ def repo(inner_pytest):
     return commit
 
 
-def gate_rows(result) -> dict[str, str]:
-    """{point: verdict} from the gate's table."""
-    verdicts = r"SLOWER|ok|new, not gated|too noisy[^\n]*"
-    rows = re.findall(rf"^test_\w+\.py::(test_\w+) .*  ({verdicts})$", result.stdout.str(), re.MULTILINE)
-    return dict(rows)
-
-
 def test_gate_against_a_revision_trips_on_the_slowed_point_only(repo, inner_pytest):
     repo("test_sleep.py", BENCH.format(first=0.01, last=0.01))
     (inner_pytest.path / "test_sleep.py").write_text(BENCH.format(first=0.01, last=0.02))  # not committed
@@ -178,8 +213,12 @@ def test_gate_against_a_revision_trips_on_the_slowed_point_only(repo, inner_pyte
     assert result.ret == 1, result.stdout.str()
     assert gate_rows(result) == {"test_first": "ok", "test_last": "SLOWER"}
     assert "1 of 2 points slower than HEAD" in result.stdout.str()
-    (history,) = histories(inner_pytest)  # the session's own run, saved as usual
-    assert json.loads(history.read_text())["systems_lab_complete"]
+    (history,) = histories(inner_pytest)  # the session's own run, saved as usual, with the gate's evidence
+    saved = json.loads(history.read_text())
+    assert saved["systems_lab_complete"]
+    evidence = saved[GATE_RECORD]["points"]["test_sleep.py::test_last"]
+    assert evidence["status"] == "slower" and len(evidence["changes"]) == 3
+    assert [len(rounds) for rounds in evidence["baseline"] + evidence["work"]] == [5] * 6
     assert git(inner_pytest.path, "worktree", "list").count("\n") == 1  # the baseline's worktree is gone
 
 
@@ -188,6 +227,10 @@ def test_gate_against_options_are_checked_at_start_up(repo, inner_pytest):
     for args, message in [(["--benchmark-gate-against=HEAD"], "needs --benchmark-gate EXPR"),
                           ([GATE, "--benchmark-gate-against=no-such-rev"], "no-such-rev"),
                           ([GATE, "--benchmark-gate-against=HEAD", "--benchmark-gate-turns=0"], "at least 1"),
+                          ([GATE, "--benchmark-gate-against=HEAD", "--benchmark-gate-turns=1", "--rounds=3"],
+                           "1 turn of 3 rounds can never decide a point"),
+                          ([GATE, "--rounds=3"], "one saved run of 3 rounds can never decide a point"),
+                          (["--benchmark-gate=stddev:5%"], "stddev is a spread"),
                           (["--benchmark-gate=mean:fast"], "Could not parse value")]:
         result = inner_pytest.runpytest_inprocess("-p", "no:cacheprovider", *args)
         assert result.ret == pytest.ExitCode.USAGE_ERROR, args
@@ -215,13 +258,11 @@ def test_matmuls(benchmark):
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_gate_against_trips_on_a_10_percent_gpu_slowdown_and_holds_on_unchanged_code(repo, inner_pytest):
-    """Green on unchanged code, twice, and red on a 10% slowdown; each verdict with its interval (the gate's error
-    rates over many runs: docs/gate-error-rates.md). Five turns, not the quick check's three: at three, about one
-    gate in ten is too noisy to decide on a quiet GPU (that document), and under `pytest -n 4` on a 4 x H100 host
-    one unchanged gate here asked for four."""
+    """Green on unchanged code, twice, and red on a 10% slowdown, at the default turns; each verdict with its
+    interval (the gate's error rates over many runs: docs/gate-error-rates.md)."""
     repo("test_matmuls.py", GPU_BENCH.format(iterations=10))
     args = ("-p", "no:cacheprovider", "test_matmuls.py", "--benchmark-gate=median:5%",
-            "--benchmark-gate-against=HEAD", "--benchmark-gate-turns=5")
+            "--benchmark-gate-against=HEAD")
     results = [inner_pytest.runpytest_subprocess(*args) for _ in range(2)]
     (inner_pytest.path / "test_matmuls.py").write_text(GPU_BENCH.format(iterations=11))
     results.append(inner_pytest.runpytest_subprocess(*args))

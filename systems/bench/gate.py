@@ -1,11 +1,12 @@
-"""`--benchmark-gate-against REV`: time a baseline revision and the working tree in the same job, in turns.
+"""The regression gate. `--benchmark-gate EXPR` decides each point from every timed round
+(systems.bench.verdicts): against the newest saved run of this GPU kind that holds it, whose rounds are the
+baseline's samples, or with `--benchmark-gate-against REV` against a revision timed in the same job, in turns.
 
-Saved histories drift from one day to the next (clocks, temperature, drivers), so a gate against them needs a
-wide margin. This gate checks REV out in a temporary git worktree and runs the session's selection of
-benchmarks in both trees, alternately, `turns` times, each run a fresh `pytest` process. The working tree's
-last turn is the session that asked for the gate: it prints and saves its results as any run does, and fails
-if a point is slower than REV's by more than the --benchmark-gate threshold, significantly (systems.bench.verdicts
-decides each point from its paired turns).
+Saved histories drift from day to day (clocks, temperature, drivers), so a gate against them needs a wide margin.
+The same-job gate checks REV out in a temporary git worktree and runs the session's selection of benchmarks in
+both trees, alternately, `turns` times, each run a fresh `pytest` process; the working tree's last turn is the
+session itself, which prints and saves its results as any run does. A point fails where it is slower, and also
+where the samples cannot decide, unless --benchmark-gate-accept-undecided; the saved run keeps the evidence.
 """
 
 from __future__ import annotations
@@ -25,22 +26,26 @@ from pathlib import Path
 import pytest
 from pytest_benchmark.utils import PercentageRegressionCheck, RegressionCheck, get_tag, parse_compare_fail
 
-from systems.bench.history import Histories
-from systems.bench.verdicts import CONFIDENCE, Verdict, decide
+from systems.bench.history import Histories, HistoryError, LockedFileStorage, latest_per_point
+from systems.bench.options import grid_of
+from systems.bench.verdicts import (CONFIDENCE, LOCATIONS, MAX_SAMPLES, NEW, UNDECIDED, Verdict, can_decide,
+                                    decide)
 
 BASELINE, WORK = "baseline", "working tree"
+GATE_RECORD = "systems_lab_gate"  # the gate's samples and verdicts, in the history of the run it gated
 # Options of the session that its turns must not repeat: the gate's own, and saving (only the session saves).
 _OPTIONS_WITH_VALUE = ("--benchmark-gate", "--benchmark-gate-against", "--benchmark-gate-turns",
                        "--benchmark-save", "--benchmark-json")
-_FLAGS = ("--benchmark-autosave",)
+_FLAGS = ("--benchmark-autosave", "--benchmark-gate-accept-undecided")
 _RUN_OK = (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.NO_TESTS_COLLECTED)
+Rounds = dict[str, list[float]]  # {node id: seconds of each timed round}, one run's
 
 
 def add_options(parser) -> None:
     group = parser.getgroup("benchmark gate", "fail a run on regressions, against saved runs or a revision")
     group.addoption("--benchmark-gate", metavar="EXPR", type=parse_compare_fail, default=None,
-                    help="fail on regressions (e.g. median:5%%): each point against the newest complete saved run of "
-                         "this machine and GPU kind that holds it (a first run just saves itself), or with "
+                    help="fail on regressions (e.g. median:5%%): each point's rounds against the newest complete saved "
+                         "run of this machine and GPU kind that holds it (a first run just saves itself), or with "
                          "--benchmark-gate-against against a revision timed in the same job")
     group.addoption("--benchmark-gate-against", metavar="REV", default=None,
                     help="time git revision REV (checked out in a temporary worktree) and the working tree in "
@@ -48,6 +53,8 @@ def add_options(parser) -> None:
     group.addoption("--benchmark-gate-turns", metavar="K", type=int, default=3,
                     help="turns of --benchmark-gate-against, each running the benchmarks once in either tree; "
                          "default 3")
+    group.addoption("--benchmark-gate-accept-undecided", action="store_true",
+                    help="pass points whose samples cannot decide (they are still listed); by default they fail")
 
 
 def configure(config) -> None:
@@ -58,15 +65,34 @@ def configure(config) -> None:
     check, against = config.getoption("benchmark_gate"), config.getoption("benchmark_gate_against")
     if against is not None and check is None:
         raise pytest.UsageError("--benchmark-gate-against needs --benchmark-gate EXPR, e.g. median:5%")
+    config.option.benchmark_save_data = True  # every history keeps its rounds: a later gate's baseline samples
     if check is not None:
+        if check.field not in LOCATIONS:
+            raise pytest.UsageError(f"--benchmark-gate {describe(check)}: the gate decides how far a point's rounds "
+                                    f"moved, so it reads {', '.join(LOCATIONS)}; {check.field} is a spread")
         config.option.benchmark_autosave = get_tag()
-    if against is not None:
-        config.pluginmanager.register(RevisionGate(config, against, config.getoption("benchmark_gate_turns"), check),
-                                      "systems-lab-revision-gate")
-    # One Python/OS folder holds the runs of every GPU kind (H100 and H200 alike): compare like with like.
-    history_gate = check if against is None else None
-    gpu = device_info()["gpu"] if history_gate else None
-    config.pluginmanager.register(Histories(config, history_gate, gpu), "systems-lab-histories")
+        turns = config.getoption("benchmark_gate_turns") if against is not None else 1
+        check_decidable(turns, grid_of(config).rounds, against is not None)
+        # One Python/OS folder holds the runs of every GPU kind (H100 and H200 alike): compare like with like.
+        gate = (RevisionGate(config, against, turns, check) if against is not None
+                else SavedRunGate(config, check, device_info()["gpu"]))
+        config.pluginmanager.register(gate, "systems-lab-gate")
+    config.pluginmanager.register(Histories(config), "systems-lab-histories")
+
+
+def check_decidable(turns: int, rounds: int, revision: bool) -> None:
+    """Refuse, at start-up, a gate whose samples could never show a change."""
+    if turns < 1:
+        raise pytest.UsageError(f"--benchmark-gate-turns {turns}: needs at least 1")
+    if can_decide(turns, rounds):
+        return
+    more_turns = next(k for k in range(turns + 1, MAX_SAMPLES) if can_decide(k, rounds))
+    more_rounds = next(r for r in range(rounds + 1, MAX_SAMPLES) if can_decide(turns, r))
+    samples = f"{turns} turn{'s' * (turns > 1)} of {rounds} rounds" if revision else f"one saved run of {rounds} rounds"
+    fix = f"at least {more_turns} turns or {more_rounds} rounds" if revision else f"--rounds {more_rounds} or more"
+    raise pytest.UsageError(
+        f"benchmark gate: {samples} can never decide a point: every working-tree round above every baseline round "
+        f"would still happen by chance more often than {1 - CONFIDENCE:.0%} of the time; use {fix}")
 
 
 def turn_orders(turns: int) -> list[tuple[str, str]]:
@@ -82,28 +108,89 @@ def describe(check: RegressionCheck) -> str:
     return f"{check.field}:{check.threshold}{unit}"
 
 
-def report_lines(verdicts: list[Verdict], against: str, turns: int, check: RegressionCheck) -> list[str]:
+class Gate:
+    """What both gates share: each point's verdict before the run is saved (its history keeps the samples and
+    verdicts), the exit status, and the summary."""
+
+    scale_by = "turns"
+
+    def __init__(self, config, check: RegressionCheck, against: str):
+        self.check, self.against = check, against
+        self.accept_undecided = config.getoption("benchmark_gate_accept_undecided")
+        self.baseline: list[Rounds] = []  # per turn
+        self.work: list[Rounds] = []
+        self.verdicts: list[Verdict] = []
+
+    def failing(self) -> list[Verdict]:
+        return [v for v in self.verdicts if v.fails or (v.undecided and not self.accept_undecided)]
+
+    def session_rounds(self, session) -> Rounds:
+        benchmarks = session.config._benchmarksession.benchmarks
+        return {bench.fullname: list(bench.stats.data) for bench in benchmarks if bench}
+
+    @pytest.hookimpl(wrapper=True, tryfirst=True)
+    def pytest_sessionfinish(self, session):
+        # Before pytest-benchmark's wrapper saves the run: its history records the verdicts.
+        self.verdicts = self.decide(session)
+        result = yield
+        if self.failing() and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        return result
+
+    def decide(self, session) -> list[Verdict]:
+        self.work.append(self.session_rounds(session))
+        return decide(self.baseline, self.work, self.check, self.scale_by)
+
+    def pytest_benchmark_update_json(self, output_json: dict) -> None:
+        output_json[GATE_RECORD] = {
+            "against": self.against, "check": describe(self.check), "turns": len(self.work),
+            "accept_undecided": self.accept_undecided,
+            "points": {v.name: {"status": v.status, "change": v.change, "low": v.low, "high": v.high,
+                                "changes": v.changes, "needed": v.needed, "reason": v.reason,
+                                "baseline": [turn.get(v.name) for turn in self.baseline],
+                                "work": [turn.get(v.name) for turn in self.work]} for v in self.verdicts}}
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.verdicts:
+            return
+        terminalreporter.section("benchmark gate")
+        for line in report_lines(self.verdicts, self.header(), self.against, self.check, self.scale_by,
+                                 self.accept_undecided):
+            terminalreporter.write_line(line, red="SLOWER" in line or "UNDECIDED" in line, yellow="accepted" in line)
+
+    def header(self) -> str:
+        raise NotImplementedError
+
+
+def report_lines(verdicts: list[Verdict], header: str, against: str, check: RegressionCheck, scale_by: str,
+                 accept_undecided: bool) -> list[str]:
     width = max([len(v.name) for v in verdicts] + [5])
+    turns = max(len(v.changes) for v in verdicts)
     unit = "%" if isinstance(check, PercentageRegressionCheck) else " ms"
-    lines = [f"benchmark gate: the working tree against {against}, turns: {turns}; fails where the change is above "
-             f"{describe(check)} and its {CONFIDENCE:.0%} interval above no change (the {check.field} of each run's "
-             "rounds; times are medians over turns, changes means)",
+    lines = [header + f"; fails where the change is above {describe(check)} and its {CONFIDENCE:.0%} interval above "
+             "no change, and where the interval cannot tell" + (" (accepted here)" if accept_undecided else "")
+             + f" (times: the {check.field} of each run's rounds, median over turns; changes: shifts of the rounds)",
              f"{'point':<{width}}  {'baseline (ms)':>13}  {'working tree (ms)':>17}  {'change [interval]' + unit:>28}  "
              f"{'per turn':>{9 * turns}}"]
     for v in verdicts:
         interval = "" if v.change is None else (
             f"{_change(v.change, check)} [{_change(v.low, check)}, {_change(v.high, check)}]")
         per_turn = " ".join(_change(c, check) for c in v.changes)
-        needed = "" if v.status != "too noisy" else (f" to gate at {turns} turns: needs {v.turns_needed}"
-                                                     if v.turns_needed else f" to gate at {turns} turns")
         lines.append(f"{v.name:<{width}}  {_ms(v.baseline):>13}  {_ms(v.work):>17}  {interval:>28}  "
-                     f"{per_turn:>{9 * turns}}  {v.status.upper() if v.slower else v.status}{needed}")
-    for status, what in (("slower", f"slower than {against} by more than {describe(check)}"),
-                         ("too noisy", "too noisy to gate: not gated")):
-        names = [v.name for v in verdicts if v.status == status]
+                     f"{per_turn:>{9 * turns}}  {_status(v, scale_by, accept_undecided)}")
+    for failing, what in ((lambda v: v.fails, f"slower than {against} by more than {describe(check)}"),
+                          (lambda v: v.undecided, "undecided" + (", accepted" if accept_undecided else ""))):
+        names = [v.name for v in verdicts if failing(v)]
         if names:
             lines.append(f"benchmark gate: {len(names)} of {len(verdicts)} points {what}: {', '.join(names)}")
     return lines
+
+
+def _status(v: Verdict, scale_by: str, accept_undecided: bool) -> str:
+    if v.status != UNDECIDED:
+        return v.status.upper() if v.fails else v.status
+    needs = f"; needs {v.needed} {scale_by}" if v.needed else ""
+    return f"{'undecided (accepted)' if accept_undecided else 'UNDECIDED'}: {v.reason}{needs}"
 
 
 def _change(change: float | None, check: RegressionCheck) -> str:
@@ -116,6 +203,102 @@ def _change(change: float | None, check: RegressionCheck) -> str:
 
 def _ms(seconds: float | None) -> str:
     return "" if seconds is None else f"{seconds * 1e3:.4g}"
+
+
+class SavedRunGate(Gate):
+    """`--benchmark-gate EXPR` alone: each point's rounds against those of the newest complete saved run of this
+    GPU kind that holds it; a first run only saves itself."""
+
+    scale_by = "rounds"
+
+    def __init__(self, config, check: RegressionCheck, gpu: str | None):
+        super().__init__(config, check, f"the newest saved run of each point on {gpu or 'the CPU'}")
+        self.gpu = gpu
+        self.saved: dict[str, tuple[Path, dict]] = {}  # node id: the history and its benchmark
+
+    @pytest.hookimpl(trylast=True)  # after Histories has made the storage strict
+    def pytest_sessionstart(self, session) -> None:
+        benchmarks = session.config._benchmarksession
+        if not isinstance(benchmarks.storage, LockedFileStorage):
+            pytest.exit("--benchmark-gate reads saved runs from file storage only",
+                        returncode=pytest.ExitCode.USAGE_ERROR)
+        try:
+            baseline = latest_per_point(benchmarks.storage.load(), self.gpu)
+        except HistoryError as exc:
+            pytest.exit(f"benchmark history: {exc}", returncode=pytest.ExitCode.USAGE_ERROR)
+        if not baseline:
+            print(f"benchmark gate: no complete baseline for {benchmarks.machine_id} on {self.gpu or 'CPU'} yet; "
+                  "this run becomes it")
+            return
+        benchmarks.compared_mapping = baseline  # pytest-benchmark's table shows each point beside its baseline
+        self.saved = {name: (path, bench) for path, benches in baseline.items() for name, bench in benches.items()}
+
+    def decide(self, session) -> list[Verdict]:
+        if not self.saved:
+            return []
+        work = self.session_rounds(session)
+        self.baseline = [{name: self.saved[name][1]["stats"].get("data") or [] for name in work if name in self.saved}]
+        self.work = [work]
+        verdicts = decide(self.baseline, self.work, self.check, self.scale_by)
+        return [self._without_rounds(v) if v.status == NEW and v.name in self.saved else v for v in verdicts]
+
+    def _without_rounds(self, verdict: Verdict) -> Verdict:
+        path, bench = self.saved[verdict.name]
+        return Verdict(verdict.name, bench["stats"][self.check.field], verdict.work, (), None, None, None, UNDECIDED,
+                       reason=f"its baseline ({path.name}) was saved without its rounds; save a new one")
+
+    def header(self) -> str:
+        files = sorted({path.name for path, _ in self.saved.values()})
+        return f"benchmark gate: this run against {self.against} ({', '.join(files)})"
+
+
+class RevisionGate(Gate):
+    """`--benchmark-gate-against REV`: the other turns before the session, verdicts after it."""
+
+    def __init__(self, config, rev: str, turns: int, check: RegressionCheck):
+        if config.getoption("benchmark_compare") or config.getoption("benchmark_compare_fail"):
+            raise pytest.UsageError("--benchmark-gate-against makes its own comparison: drop --benchmark-compare "
+                                    "and --benchmark-compare-fail")
+        self.cwd = Path(config.invocation_params.dir).resolve()
+        self.root = Path(_git(self.cwd, "rev-parse", "--show-toplevel")).resolve()
+        self.commit = _git(self.root, "rev-parse", "--verify", f"{rev}^{{commit}}")
+        super().__init__(config, check, f"{rev} ({self.commit[:10]})")
+        self.args = turn_args(list(config.invocation_params.args))
+        self.turns = turns
+
+    def pytest_sessionstart(self) -> None:
+        with tempfile.TemporaryDirectory(prefix="benchmark-gate-") as scratch:
+            with _worktree(self.root, self.commit, Path(scratch) / "baseline") as baseline:
+                for turn, order in enumerate(turn_orders(self.turns)):
+                    for side in order:
+                        if (turn, side) == (self.turns - 1, WORK):
+                            continue  # the session's own run
+                        tree = baseline if side == BASELINE else self.root
+                        what = f"turn {turn + 1} of {self.turns}, {side}"
+                        rounds = self._run(tree, Path(scratch) / f"{turn}-{side}.json", what)
+                        (self.baseline if side == BASELINE else self.work).append(rounds)
+        print(f"benchmark gate: turn {self.turns} of {self.turns}, {WORK}: this session")
+
+    def _run(self, tree: Path, out: Path, what: str) -> Rounds:
+        """One run of the selected benchmarks in `tree`: each point's rounds."""
+        root = str(self.root) + os.sep
+        args = [str(tree) + os.sep + arg.removeprefix(root) if arg.startswith(root) else arg for arg in self.args]
+        env = {**os.environ,
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])),
+               "PYTEST_ADDOPTS": shlex.join(turn_args(shlex.split(os.environ.get("PYTEST_ADDOPTS", ""))))}
+        start = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "pytest", *args, f"--benchmark-json={out}"],
+                              cwd=tree / self.cwd.relative_to(self.root), env=env, capture_output=True, text=True)
+        print(f"benchmark gate: {what}: exit {proc.returncode} after {time.perf_counter() - start:.1f} s")
+        if proc.returncode not in _RUN_OK:
+            pytest.exit(f"benchmark gate: the run of {what} exited with {proc.returncode}:\n"
+                        f"{(proc.stdout + proc.stderr)[-4000:]}", returncode=pytest.ExitCode.INTERNAL_ERROR)
+        if not out.exists():  # no benchmark ran
+            return {}
+        return {bench["fullname"]: bench["stats"]["data"] for bench in json.loads(out.read_text())["benchmarks"]}
+
+    def header(self) -> str:
+        return f"benchmark gate: the working tree against {self.against}, turns: {self.turns}"
 
 
 def turn_args(args: list[str]) -> list[str]:
@@ -147,70 +330,3 @@ def _worktree(root: Path, commit: str, path: Path) -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(path)], capture_output=True)
-
-
-class RevisionGate:
-    """The pytest plugin of --benchmark-gate-against: the other turns before the session, verdicts after it."""
-
-    def __init__(self, config, rev: str, turns: int, check: RegressionCheck):
-        if turns < 1:
-            raise pytest.UsageError(f"--benchmark-gate-turns {turns}: needs at least 1")
-        if config.getoption("benchmark_compare") or config.getoption("benchmark_compare_fail"):
-            raise pytest.UsageError("--benchmark-gate-against makes its own comparison: drop --benchmark-compare "
-                                    "and --benchmark-compare-fail")
-        self.cwd = Path(config.invocation_params.dir).resolve()
-        self.root = Path(_git(self.cwd, "rev-parse", "--show-toplevel")).resolve()
-        self.commit = _git(self.root, "rev-parse", "--verify", f"{rev}^{{commit}}")
-        self.against = f"{rev} ({self.commit[:10]})"
-        self.args = turn_args(list(config.invocation_params.args))
-        self.turns = turns
-        self.check = check
-        self.timings: dict[str, list[dict[str, float]]] = {BASELINE: [], WORK: []}  # per turn
-        self.verdicts: list[Verdict] = []
-
-    def pytest_sessionstart(self) -> None:
-        with tempfile.TemporaryDirectory(prefix="benchmark-gate-") as scratch:
-            with _worktree(self.root, self.commit, Path(scratch) / "baseline") as baseline:
-                for turn, order in enumerate(turn_orders(self.turns)):
-                    for side in order:
-                        if (turn, side) == (self.turns - 1, WORK):
-                            continue  # the session's own run
-                        tree = baseline if side == BASELINE else self.root
-                        what = f"turn {turn + 1} of {self.turns}, {side}"
-                        self.timings[side].append(self._run(tree, Path(scratch) / f"{turn}-{side}.json", what))
-        print(f"benchmark gate: turn {self.turns} of {self.turns}, {WORK}: this session")
-
-    def _run(self, tree: Path, out: Path, what: str) -> dict[str, float]:
-        """One run of the selected benchmarks in `tree`: {node id: the check's statistic, seconds}."""
-        root = str(self.root) + os.sep
-        args = [str(tree) + os.sep + arg.removeprefix(root) if arg.startswith(root) else arg for arg in self.args]
-        env = {**os.environ,
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])),
-               "PYTEST_ADDOPTS": shlex.join(turn_args(shlex.split(os.environ.get("PYTEST_ADDOPTS", ""))))}
-        start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "pytest", *args, f"--benchmark-json={out}"],
-                              cwd=tree / self.cwd.relative_to(self.root), env=env, capture_output=True, text=True)
-        print(f"benchmark gate: {what}: exit {proc.returncode} after {time.perf_counter() - start:.1f} s")
-        if proc.returncode not in _RUN_OK:
-            pytest.exit(f"benchmark gate: the run of {what} exited with {proc.returncode}:\n"
-                        f"{(proc.stdout + proc.stderr)[-4000:]}", returncode=pytest.ExitCode.INTERNAL_ERROR)
-        if not out.exists():  # no benchmark ran
-            return {}
-        return {bench["fullname"]: bench["stats"][self.check.field]
-                for bench in json.loads(out.read_text())["benchmarks"]}
-
-    def pytest_sessionfinish(self, session) -> None:
-        # A plain hook: it runs after pytest-benchmark's wrapper has finished the session's benchmarks.
-        benchmarks = session.config._benchmarksession.benchmarks
-        self.timings[WORK].append({bench.fullname: bench[self.check.field] for bench in benchmarks if bench})
-        self.verdicts = decide(self.timings[BASELINE], self.timings[WORK], self.check)
-        if any(verdict.slower for verdict in self.verdicts) and session.exitstatus == pytest.ExitCode.OK:
-            session.exitstatus = pytest.ExitCode.TESTS_FAILED
-
-    def pytest_terminal_summary(self, terminalreporter) -> None:
-        if not self.verdicts:
-            return
-        terminalreporter.section("benchmark gate")
-        for line in report_lines(self.verdicts, self.against, self.turns, self.check):
-            terminalreporter.write_line(line, red="SLOWER" in line or "points slower" in line,
-                                        yellow="too noisy" in line)

@@ -1,13 +1,14 @@
-"""The same-job gate's error rates on this GPU: how often it trips on unchanged code, and how often it catches a
-5% and a 10% slowdown, at the leaderboard's attention shape and at a sub-millisecond point.
+"""The gate's error rates: how often it fails unchanged code, and how often it catches a slowdown.
 
-    python -m systems.bench.gate_rates --gates 10 --turns 3 --out gate-rates.json
+    python -m systems.bench.gate_rates simulate --gates 20 --turns 3 --out gate-rates.json   # on a GPU
+    python -m systems.bench.gate_rates replay STORAGE --turns 2,3,5 --check median:5%        # real gates' evidence
 
-Each simulated gate runs the point in turns as --benchmark-gate-against does (baseline and working tree back to
-back, alternating which goes first), each run `--rounds` timed calls after a warm-up, and decides with the gate's
-own statistics (systems.bench.verdicts). A slowdown is extra GPU time after each call (torch.cuda._sleep),
-calibrated to the share of the point's median. Both "trees" run in this process: the spread between processes
-(allocations, autotuning) is not in it; the GPU test of the real gate (tests/test_benchmark_gate.py) covers that.
+`simulate` runs the leaderboard's attention and a sub-millisecond point in turns as --benchmark-gate-against does
+(baseline and working tree back to back, alternating which goes first), each run its rounds after a warm-up, and
+decides with the gate's own statistics (systems.bench.verdicts). A slowdown is extra GPU time after each call
+(torch.cuda._sleep), calibrated to its share of the point's median. Both "trees" run in this process, each run on
+fresh inputs. `replay` decides again from the samples that real gates saved with their runs (GATE_RECORD), at
+fewer turns (the turns a shorter gate would have run, in its order) or another threshold.
 """
 
 from __future__ import annotations
@@ -22,23 +23,28 @@ from pathlib import Path
 import torch
 from pytest_benchmark.utils import parse_compare_fail
 
-from systems.bench.gate import BASELINE, WORK, turn_orders
+from systems.bench.gate import BASELINE, GATE_RECORD, WORK, turn_orders
 from systems.bench.verdicts import decide
 
-SLOWDOWNS = (0.0, 0.05, 0.10)  # A/A, and the two slowdowns the issue asks for
+SLOWDOWNS = (0.0, 0.05, 0.10)  # A/A, and two slowdowns: at the 5% threshold, and twice it
 
 
 def leaderboard_step() -> Callable[[], None]:
-    """(16, 16384, 64) bf16 causal forward+backward through torch.compile(FlashAttentionTriton.apply)."""
+    """(16, 16384, 64) bf16 causal forward+backward through torch.compile(FlashAttentionTriton.apply), on inputs
+    drawn anew for each run."""
     from systems.attention import FlashAttentionTriton
 
     flash = torch.compile(FlashAttentionTriton.apply)
-    q, k, v = (torch.randn(16, 16384, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 
-    def step():
-        flash(q, k, v, True).sum().backward()
-        q.grad = k.grad = v.grad = None
-    return step
+    def make():
+        q, k, v = (torch.randn(16, 16384, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                   for _ in range(3))
+
+        def step():
+            flash(q, k, v, True).sum().backward()
+            q.grad = k.grad = v.grad = None
+        return step
+    return make
 
 
 def sub_millisecond_step() -> Callable[[], None]:
@@ -46,15 +52,18 @@ def sub_millisecond_step() -> Callable[[], None]:
     included, as bench_attention times it."""
     from systems.attention import FlashAttentionTriton
 
-    q, k, v = (torch.randn(1, 1024, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    return lambda: FlashAttentionTriton.apply(q, k, v, True)
+    def make():
+        q, k, v = (torch.randn(1, 1024, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        return lambda: FlashAttentionTriton.apply(q, k, v, True)
+    return make
 
 
 POINTS = {"leaderboard": (leaderboard_step, 10), "sub-ms": (sub_millisecond_step, 50)}  # step, default rounds
 
 
-def run_seconds(step: Callable[[], None], rounds: int, sleep_cycles: int) -> float:
-    """The median of `rounds` timed calls, each ended by a synchronize, as time_on_device times them."""
+def run_rounds(make: Callable[[], Callable[[], None]], rounds: int, sleep_cycles: int) -> list[float]:
+    """`rounds` timed calls on fresh inputs, each ended by a synchronize, as time_on_device times them."""
+    step = make()
     times = []
     for _ in range(2 + rounds):  # two warm-up calls
         start = time.perf_counter()
@@ -63,7 +72,7 @@ def run_seconds(step: Callable[[], None], rounds: int, sleep_cycles: int) -> flo
             torch.cuda._sleep(sleep_cycles)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
-    return statistics.median(times[2:])
+    return times[2:]
 
 
 def cycles_per_second() -> float:
@@ -76,39 +85,76 @@ def cycles_per_second() -> float:
     return cycles / (time.perf_counter() - start)
 
 
-def simulate(step: Callable[[], None], rounds: int, slowdown: float, gates: int, turns: int, check) -> dict:
+def simulate(make: Callable[[], Callable[[], None]], rounds: int, slowdown: float, gates: int, turns: int,
+             check) -> dict:
     """`gates` gates of `turns` turns each; the working tree `slowdown` slower."""
-    base = run_seconds(step, rounds, 0)
+    base = statistics.median(run_rounds(make, rounds, 0))
     extra = int(slowdown * base * cycles_per_second())
     verdicts = []
     for _ in range(gates):
         timings = {BASELINE: [], WORK: []}
         for order in turn_orders(turns):  # as the gate orders its turns
             for side in order:
-                seconds = run_seconds(step, rounds, extra if side == WORK else 0)
-                timings[side].append({"point": seconds})
+                timings[side].append({"point": run_rounds(make, rounds, extra if side == WORK else 0)})
         [verdict] = decide(timings[BASELINE], timings[WORK], check)
         verdicts.append(verdict)
     return {"slowdown": slowdown, "median_s": base, "statuses": [v.status for v in verdicts],
             "changes": [v.change for v in verdicts], "intervals": [(v.low, v.high) for v in verdicts],
-            "tripped": sum(v.slower for v in verdicts), "too_noisy": sum(v.status == "too noisy" for v in verdicts)}
+            **tally(verdicts)}
+
+
+def tally(verdicts) -> dict:
+    return {"slower": sum(v.fails for v in verdicts), "undecided": sum(v.undecided for v in verdicts),
+            "ok": sum(v.status == "ok" for v in verdicts)}
+
+
+def replay(storage: Path, turns: list[int], check) -> dict:
+    """Each saved gate's verdict again at each of `turns` (at most the turns it ran), from the samples of its last
+    turns: the orders a gate of that many turns runs, ending with the session's own run."""
+    records = [json.loads(path.read_text())[GATE_RECORD] for path in sorted(storage.glob("*/*.json"))]
+    results = {}
+    for k in turns:
+        verdicts = []
+        for record in records:
+            ran = record["turns"]
+            if k > ran:
+                raise SystemExit(f"a gate of {ran} turns cannot be replayed at {k}")
+            chosen = range(ran - k, ran)
+            for name, point in record["points"].items():
+                base = [{name: point["baseline"][t]} for t in chosen]
+                work = [{name: point["work"][t]} for t in chosen]
+                verdicts += decide(base, work, check)
+        results[k] = {"gates": len(verdicts), **tally(verdicts),
+                      "changes": [v.change for v in verdicts], "intervals": [(v.low, v.high) for v in verdicts]}
+        print(f"{k} turns, {check.field}:{check.threshold}: {results[k]['slower']} slower, {results[k]['undecided']} "
+              f"undecided, {results[k]['ok']} ok of {len(verdicts)}")
+    return results
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m systems.bench.gate_rates", description=__doc__.splitlines()[0])
-    parser.add_argument("--gates", type=int, default=10)
-    parser.add_argument("--turns", type=int, default=3)
-    parser.add_argument("--check", type=parse_compare_fail, default=parse_compare_fail("median:5%"))
-    parser.add_argument("--out", type=Path, required=True)
+    commands = parser.add_subparsers(dest="command", required=True)
+    simulated = commands.add_parser("simulate", help="gates simulated on this GPU")
+    simulated.add_argument("--gates", type=int, default=20)
+    simulated.add_argument("--turns", type=int, default=3)
+    simulated.add_argument("--out", type=Path, required=True)
+    replayed = commands.add_parser("replay", help="saved gates decided again")
+    replayed.add_argument("storage", type=Path, help="the --benchmark-storage folder the gates saved into")
+    replayed.add_argument("--turns", type=lambda text: [int(k) for k in text.split(",")], required=True)
+    for command in (simulated, replayed):
+        command.add_argument("--check", type=parse_compare_fail, default=parse_compare_fail("median:5%"))
     args = parser.parse_args(argv)
+    if args.command == "replay":
+        replay(args.storage, args.turns, args.check)
+        return
     results = {"gpu": torch.cuda.get_device_name(), "turns": args.turns, "gates": args.gates, "points": {}}
     for name, (make_step, rounds) in POINTS.items():
-        step = make_step()
-        results["points"][name] = [simulate(step, rounds, slowdown, args.gates, args.turns, args.check)
+        make = make_step()
+        results["points"][name] = [simulate(make, rounds, slowdown, args.gates, args.turns, args.check)
                                    for slowdown in SLOWDOWNS]
         for row in results["points"][name]:
-            print(f"{name}: +{row['slowdown']:.0%} (median {row['median_s'] * 1e3:.3f} ms): {row['tripped']} of "
-                  f"{args.gates} gates tripped, {row['too_noisy']} too noisy")
+            print(f"{name}: +{row['slowdown']:.0%} (median {row['median_s'] * 1e3:.3f} ms): {row['slower']} slower, "
+                  f"{row['undecided']} undecided, {row['ok']} ok of {args.gates} gates")
     args.out.write_text(json.dumps(results, indent=2))
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 from pytest_benchmark.storage.file import FileStorage
-from pytest_benchmark.utils import RegressionCheck, safe_dumps
+from pytest_benchmark.utils import safe_dumps
 
 from systems.bench.schema import SchemaError, check_schema
 from systems.bench.workers import WORKER_STOPPED
@@ -112,15 +112,9 @@ class LockedFileStorage(FileStorage):
 
 
 class Histories:
-    """The pytest plugin: safe and strict storage, partial runs marked, `--benchmark-compare`'s baseline, and
-    with `gate` the per-point baseline.
+    """The pytest plugin: safe and strict storage, partial runs marked, and `--benchmark-compare`'s baseline."""
 
-    pytest-benchmark compares with a single saved run; the gate hands it, instead, the newest result of each
-    point, grouped by the run it comes from, so a point that the newest run lacks is still gated.
-    """
-
-    def __init__(self, config, gate: RegressionCheck | None = None, gpu: str | None = None):
-        self.gate, self.gpu = gate, gpu
+    def __init__(self, config):
         self.stopped = False
         # pytest-benchmark would load what --benchmark-compare names, leniently, in its own pytest_configure (which
         # runs after this plugin's): this plugin loads it instead, once the storage is strict.
@@ -136,8 +130,6 @@ class Histories:
         try:
             if self.compare:
                 benchmarks.compared_mapping = self.compared(benchmarks.storage)
-            if self.gate is not None:
-                self.arm_gate(benchmarks)
         except HistoryError as exc:
             pytest.exit(f"benchmark history: {exc}", returncode=pytest.ExitCode.USAGE_ERROR)
 
@@ -154,15 +146,6 @@ class Histories:
                 raise HistoryError(f"{storage.path}: no saved run matches --benchmark-compare={self.compare}")
         print(f"benchmark compare: against {', '.join(str(path) for path, _ in chosen)}")
         return {path: {bench["fullname"]: bench for bench in history["benchmarks"]} for path, history in chosen}
-
-    def arm_gate(self, benchmarks) -> None:
-        baseline = latest_per_point(benchmarks.storage.load(), self.gpu)
-        if baseline:
-            benchmarks.compared_mapping = baseline
-            benchmarks.compare_fail = [self.gate]
-        else:
-            print(f"benchmark gate: no complete baseline for {benchmarks.machine_id} on {self.gpu or 'CPU'} yet; "
-                  "this run becomes it")
 
     def pytest_keyboard_interrupt(self) -> None:  # Ctrl-C, a collection error, pytest.exit
         self.stopped = True

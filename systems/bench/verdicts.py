@@ -1,113 +1,148 @@
-"""The same-job gate's decision for each point: from its paired turns, a change with its interval, and a verdict
-that says when the turns cannot tell.
+"""The gate's decision for each point, from every round of every turn: a change with its interval, and a
+verdict that says when the samples cannot tell.
 
-Each turn times the point once in either tree, back to back, so a turn's change (the working tree against the
-baseline, as the --benchmark-gate check measures it) carries little of the drift between turns. Over K turns the
-changes scatter by the point's run-to-run noise; their mean estimates the change and Student's t gives its 95%
-interval, on log ratios for a percentage check (a slowdown compounds) and on seconds for a difference check.
-As asv does, a point fails only where its slowdown is both larger than the threshold and significant (the
-interval lies above no change). A point whose interval is wider than the threshold on either side cannot be
-told from noise at K turns: it is reported as too noisy, with the turns that would narrow the interval to the
-threshold, never passed in silence; it does not fail the gate, which fails only for a measured slowdown.
+A turn times the point in both trees back to back, so comparing rounds only within a turn leaves out the drift
+between turns. The change is the shift between the two trees' rounds (log times for a percentage check, so a
+slowdown compounds; seconds for a difference), estimated as the Hodges-Lehmann shift stratified by turn: the
+median of every within-turn difference, each turn weighted as van Elteren's rank test weighs it. Its interval
+inverts that test. As asv does, a point is slower where its change is above the threshold and significant; it
+is ok where the interval lies below the threshold; anything else is undecided, with the turns (or rounds) that
+would narrow the interval enough to decide.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import statistics
 from dataclasses import dataclass
+from statistics import NormalDist
 
 from pytest_benchmark.utils import PercentageRegressionCheck, RegressionCheck
 
 CONFIDENCE = 0.95
-MAX_TURNS = 100  # the most turns a noisy point is said to need; beyond that it is not gateable
+MAX_SAMPLES = 100  # the most turns or rounds searched for samples that can bound an interval at all
+LOCATIONS = ("min", "max", "mean", "median")  # the fields a shift moves; stddev and iqr are spreads
+
+SLOWER, OK, UNDECIDED = "slower", "ok", "undecided"
+NEW, GONE = "new, not gated", "not in the working tree"
 
 
 @dataclass(frozen=True)
 class Verdict:
     name: str  # pytest's node id
-    baseline: float | None  # seconds: the check's statistic of the rounds, median over turns; None if absent
+    baseline: float | None  # seconds: the check's field of each turn's rounds, median over turns; None if absent
     work: float | None
     changes: tuple[float, ...]  # per turn, the working tree against the baseline: percent, or seconds
-    change: float | None  # their mean (geometric for percent)
-    low: float | None  # the change's interval
+    change: float | None  # over all turns: percent, or seconds
+    low: float | None  # the change's interval; infinite where the samples are too few to bound it
     high: float | None
-    status: str  # "slower", "ok", "too noisy", "new, not gated", "not in the working tree"
-    turns_needed: int | None = None  # for a point too noisy: the turns that would gate it
+    status: str  # SLOWER, OK, UNDECIDED, NEW or GONE
+    needed: int | None = None  # for an undecided point: the turns (or rounds) that would decide it, if any would
+    reason: str = ""  # for an undecided point: why
 
     @property
-    def slower(self) -> bool:
-        return self.status == "slower"
+    def fails(self) -> bool:
+        return self.status == SLOWER
+
+    @property
+    def undecided(self) -> bool:
+        return self.status == UNDECIDED
 
 
-def decide(baseline_turns: list[dict[str, float]], work_turns: list[dict[str, float]],
-           check: RegressionCheck) -> list[Verdict]:
-    """Each point's verdict from its timings per turn ({node id: seconds}, turn by turn, both trees)."""
+def decide(baseline_turns: list[dict[str, list[float]]], work_turns: list[dict[str, list[float]]],
+           check: RegressionCheck, scale_by: str = "turns") -> list[Verdict]:
+    """Each point's verdict from its rounds per turn ({node id: seconds of each round}, turn by turn, both
+    trees). `scale_by` says what an undecided point is told it needs more of: "turns", or "rounds" where there
+    is one turn (a saved baseline)."""
     verdicts = []
     for name in sorted(set().union(*baseline_turns, *work_turns)):
         pairs = [(base[name], work[name]) for base, work in zip(baseline_turns, work_turns)
-                 if name in base and name in work]
+                 if base.get(name) and work.get(name)]
         if not pairs:
-            base = [turn[name] for turn in baseline_turns if name in turn]
-            work = [turn[name] for turn in work_turns if name in turn]
-            status = "new, not gated" if not base else "not in the working tree"
-            verdicts.append(Verdict(name, _median(base), _median(work), (), None, None, None, status))
+            base = [_field(turn[name], check) for turn in baseline_turns if turn.get(name)]
+            work = [_field(turn[name], check) for turn in work_turns if turn.get(name)]
+            verdicts.append(Verdict(name, _median(base), _median(work), (), None, None, None, GONE if base else NEW))
             continue
-        verdicts.append(_verdict(name, pairs, check))
+        verdicts.append(_verdict(name, pairs, check, scale_by))
     return verdicts
 
 
-def _verdict(name: str, pairs: list[tuple[float, float]], check: RegressionCheck) -> Verdict:
+def can_decide(turns: int, rounds: int) -> bool:
+    """Whether `turns` turns of `rounds` rounds a tree can ever give a significant change: the most extreme
+    ordering of the rounds (every working-tree round above every baseline round, in every turn) must be
+    rarer than 1 - CONFIDENCE under no change."""
+    return 2 / math.comb(2 * rounds, rounds) ** turns <= 1 - CONFIDENCE
+
+
+def _verdict(name: str, pairs: list[tuple[list[float], list[float]]], check: RegressionCheck,
+             scale_by: str) -> Verdict:
     percent = isinstance(check, PercentageRegressionCheck)
-    # The scale the interval is symmetric on: log ratios for a percentage, seconds for a difference.
-    xs = [math.log(work / base) if percent else work - base for base, work in pairs]
-    limit = math.log1p(check.threshold / 100) if percent else check.threshold
+    to_scale = math.log if percent else (lambda seconds: seconds)
     back = (lambda x: 100 * math.expm1(x)) if percent else (lambda x: x)
-    mean = statistics.fmean(xs)
-    spread = statistics.stdev(xs) if len(xs) > 1 else math.inf
-    half = t_quantile(len(xs) - 1) * spread / math.sqrt(len(xs)) if len(xs) > 1 else math.inf
-    if half > limit:
-        status, needed = "too noisy", turns_needed(spread, limit)
-    else:
-        status, needed = ("slower" if mean - half > 0 and mean > limit else "ok"), None
-    return Verdict(name, statistics.median(b for b, _ in pairs), statistics.median(w for _, w in pairs),
-                   tuple(back(x) for x in xs), back(mean), back(mean - half), back(mean + half), status, needed)
+    limit = math.log1p(check.threshold / 100) if percent else check.threshold
+    strata = [([to_scale(t) for t in base], [to_scale(t) for t in work]) for base, work in pairs]
+    change, low, high = shift_interval(strata)
+    turn_changes = tuple(back(shift_interval([stratum])[0]) for stratum in strata)
+    status, needed, reason = _status(change, low, high, limit, strata, scale_by)
+    return Verdict(name, statistics.median(_field(b, check) for b, _ in pairs),
+                   statistics.median(_field(w, check) for _, w in pairs), turn_changes, back(change),
+                   back(low), back(high), status, needed, reason)
 
 
-def turns_needed(spread: float, limit: float) -> int | None:
-    """The fewest turns whose interval, at this spread, is no wider than the threshold on either side."""
-    if not math.isfinite(spread):
-        return None  # one turn: no spread to go by
-    for turns in range(2, MAX_TURNS + 1):
-        if t_quantile(turns - 1) * spread / math.sqrt(turns) <= limit:
-            return turns
-    return None
+def shift_interval(strata: list[tuple[list[float], list[float]]],
+                   confidence: float = CONFIDENCE) -> tuple[float, float, float]:
+    """The shift of the second sample against the first, with its interval: the stratified Hodges-Lehmann
+    estimate (the weighted median of every within-stratum difference) and the shifts that van Elteren's test
+    does not reject (its normal approximation; without ties' correction, which timings rarely need)."""
+    weighted, total, variance = [], 0.0, 0.0
+    for base, work in strata:
+        n, m = len(base), len(work)
+        weight = 1 / (n + m + 1)  # van Elteren's: each stratum's rank sum on one scale
+        weighted += [(w - b, weight) for b in base for w in work]
+        total += weight * n * m
+        variance += weight ** 2 * n * m * (n + m + 1) / 12
+    weighted.sort()
+    margin = NormalDist().inv_cdf((1 + confidence) / 2) * math.sqrt(variance)
+    return (_weighted_quantile(weighted, total / 2), _weighted_quantile(weighted, total / 2 - margin),
+            _weighted_quantile(weighted, total / 2 + margin))
 
 
-@functools.cache
-def t_quantile(df: int, confidence: float = CONFIDENCE) -> float:
-    """Student's t at the two-sided `confidence`, by bisection on its distribution function."""
-    target = (1 + confidence) / 2
-    low, high = 0.0, 1000.0
-    for _ in range(50):
-        middle = (low + high) / 2
-        low, high = (middle, high) if _t_cdf(middle, df) < target else (low, middle)
-    return (low + high) / 2
+def _weighted_quantile(weighted: list[tuple[float, float]], cumulative: float) -> float:
+    """The first difference at which the weights, summed from the smallest, reach `cumulative`; infinite
+    beyond either end (too few samples to bound the interval there)."""
+    if cumulative <= 0:
+        return -math.inf
+    seen = 0.0
+    for difference, weight in weighted:
+        seen += weight
+        if seen >= cumulative * (1 - 1e-12):  # sums of equal weights in another order
+            return difference
+    return math.inf
 
 
-def _t_cdf(x: float, df: int) -> float:
-    """P(T <= x) for x >= 0: a half plus the density's integral from 0 to x (Simpson's rule; the density is smooth
-    there, so 400 panels give far more digits than a verdict needs)."""
-    scale = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
+def _status(change: float, low: float, high: float, limit: float,
+            strata: list[tuple[list[float], list[float]]], scale_by: str) -> tuple[str, int | None, str]:
+    if change > limit and low > 0:
+        return SLOWER, None, ""
+    if high <= limit:
+        return OK, None, ""
+    samples = len(strata) if scale_by == "turns" else min(min(len(b), len(w)) for b, w in strata)
+    if not math.isfinite(low - high):
+        rounds = min(min(len(b), len(w)) for b, w in strata)
+        needed = next((k for k in range(samples + 1, MAX_SAMPLES + 1)
+                       if (can_decide(k, rounds) if scale_by == "turns" else can_decide(1, k))), None)
+        return UNDECIDED, needed, f"too few {scale_by} to bound the interval"
+    # The interval narrows as one over the square root of the samples; it must leave no change below it (for a
+    # change above the threshold) or lie below the threshold (for one below).
+    half, room = (change - low, change) if change > limit else (high - change, limit - change)
+    if room <= 0:
+        return UNDECIDED, None, "the change sits at the threshold"
+    what = "above the threshold" if change > limit else "at most the threshold"
+    return UNDECIDED, math.ceil(samples * (half / room) ** 2), f"the change is {what}, its interval too wide to tell"
 
-    def density(t: float) -> float:
-        return scale * (1 + t * t / df) ** (-(df + 1) / 2)
 
-    panels = 400
-    step = x / panels
-    total = density(0) + density(x) + sum((4 if i % 2 else 2) * density(i * step) for i in range(1, panels))
-    return 0.5 + total * step / 3
+def _field(rounds: list[float], check: RegressionCheck) -> float:
+    return {"min": min, "max": max, "mean": statistics.fmean, "median": statistics.median}[check.field](rounds)
 
 
 def _median(values: list[float]) -> float | None:
