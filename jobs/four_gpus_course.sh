@@ -11,7 +11,7 @@ source "$(dirname "$0")/common.sh"
 
 BENCH=(python -m pytest -p no:cacheprovider -q -rs --benchmark-autosave)
 
-CUDA_VISIBLE_DEVICES=0 run gate-rates 120 python -m systems.bench.gate_rates --gates 10 --turns 3 \
+CUDA_VISIBLE_DEVICES=0 run gate-rates 120 python -m systems.bench.gate_rates simulate --gates 10 --turns 3 \
     --out "$OUT/gate-rates.json"
 cat "$LOGS/gate-rates.log"
 run leaderboard 150 "${BENCH[@]}" benches/bench_leaderboard.py --leaderboard-models ours \

@@ -10,7 +10,7 @@ source "$(dirname "$0")/common.sh"
 
 run kernel-tests 170 python -m pytest -p no:cacheprovider -q -rs -x -n 2 tests/test_kernels.py tests/test_compile.py
 grep -E "^(FAILED|ERROR)|graph breaks not at" -A3 "$LOGS/kernel-tests.log" | head -30
-CUDA_VISIBLE_DEVICES=0 run gate-rates 120 python -m systems.bench.gate_rates --gates 10 --turns 3 \
+CUDA_VISIBLE_DEVICES=0 run gate-rates 120 python -m systems.bench.gate_rates simulate --gates 10 --turns 3 \
     --out "$OUT/gate-rates.json"
 cat "$LOGS/gate-rates.log"
 model_grid serial 160

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from pytest_benchmark.utils import parse_compare_fail
 
-from systems.bench.gate import BASELINE, GATE_RECORD, WORK, turn_orders
+from systems.bench.gate import BASELINE, GATE_RECORD, WORK, describe, turn_orders
 from systems.bench.verdicts import decide
 
 SLOWDOWNS = (0.0, 0.05, 0.10)  # A/A, and two slowdowns: at the 5% threshold, and twice it
@@ -90,7 +90,7 @@ def simulate(make: Callable[[], Callable[[], None]], rounds: int, slowdown: floa
     """`gates` gates of `turns` turns each; the working tree `slowdown` slower."""
     base = statistics.median(run_rounds(make, rounds, 0))
     extra = int(slowdown * base * cycles_per_second())
-    verdicts = []
+    verdicts, samples = [], []
     for _ in range(gates):
         timings = {BASELINE: [], WORK: []}
         for order in turn_orders(turns):  # as the gate orders its turns
@@ -98,9 +98,10 @@ def simulate(make: Callable[[], Callable[[], None]], rounds: int, slowdown: floa
                 timings[side].append({"point": run_rounds(make, rounds, extra if side == WORK else 0)})
         [verdict] = decide(timings[BASELINE], timings[WORK], check)
         verdicts.append(verdict)
+        samples.append({side: [run["point"] for run in runs] for side, runs in timings.items()})
     return {"slowdown": slowdown, "median_s": base, "statuses": [v.status for v in verdicts],
             "changes": [v.change for v in verdicts], "intervals": [(v.low, v.high) for v in verdicts],
-            **tally(verdicts)}
+            **tally(verdicts), "samples": samples}
 
 
 def tally(verdicts) -> dict:
@@ -126,8 +127,8 @@ def replay(storage: Path, turns: list[int], check) -> dict:
                 verdicts += decide(base, work, check)
         results[k] = {"gates": len(verdicts), **tally(verdicts),
                       "changes": [v.change for v in verdicts], "intervals": [(v.low, v.high) for v in verdicts]}
-        print(f"{k} turns, {check.field}:{check.threshold}: {results[k]['slower']} slower, {results[k]['undecided']} "
-              f"undecided, {results[k]['ok']} ok of {len(verdicts)}")
+        print(f"{k} turns, {describe(check)}: {results[k]['slower']} slower, {results[k]['undecided']} undecided, "
+              f"{results[k]['ok']} ok of {len(verdicts)}")
     return results
 
 
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> None:
     simulated.add_argument("--gates", type=int, default=20)
     simulated.add_argument("--turns", type=int, default=3)
     simulated.add_argument("--out", type=Path, required=True)
+    simulated.add_argument("--points", type=lambda text: text.split(","), default=list(POINTS))
     replayed = commands.add_parser("replay", help="saved gates decided again")
     replayed.add_argument("storage", type=Path, help="the --benchmark-storage folder the gates saved into")
     replayed.add_argument("--turns", type=lambda text: [int(k) for k in text.split(",")], required=True)
@@ -148,7 +150,8 @@ def main(argv: list[str] | None = None) -> None:
         replay(args.storage, args.turns, args.check)
         return
     results = {"gpu": torch.cuda.get_device_name(), "turns": args.turns, "gates": args.gates, "points": {}}
-    for name, (make_step, rounds) in POINTS.items():
+    for name in args.points:
+        make_step, rounds = POINTS[name]
         make = make_step()
         results["points"][name] = [simulate(make, rounds, slowdown, args.gates, args.turns, args.check)
                                    for slowdown in SLOWDOWNS]
