@@ -1,11 +1,13 @@
 """The accounting's arithmetic against counts and measurements made another way."""
 
+import itertools
 import math
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from covering import pairwise
 from memory_probes import cpu_peak_bytes, cuda_phase_peak, saved_tensor_bytes, training_peaks
 from systems.accounting import (GB, TPU_V5P_BYTES, TPU_V5P_FLOPS, TPU_V5P_ICI_BANDWIDTH, XXL, BucketedAllReduce,
                                 FFNStack, activation_memory, count_matmul_parameters, count_parameters,
@@ -83,12 +85,22 @@ def test_flops_match_flop_counter(attention):
 # memory-efficient kernel, whose output follows q's layout, which pad the log-sum-exp and save 16 bytes of RNG
 # state. So the GPU cases are written-out attention and "flash" (there our Triton kernels), whose saved tensors do
 # not depend on the shape.
-@pytest.mark.parametrize("attention, device", [
-    *[(attention, "cpu") for attention in ("naive", "sdpa", "flash")],
-    *[pytest.param(attention, "cuda", marks=pytest.mark.gpu) for attention in ("naive", "flash")]])
-@pytest.mark.parametrize("precision", precisions("fp32", "bf16", "bf16-weights"))
-@pytest.mark.parametrize("num_layers", [1, 3])
-@pytest.mark.parametrize("fused", ["none", "rmsnorm", "rope", "swiglu"])
+def saved_activation_cases() -> list:
+    """Every attention, precision, depth and fused kernel on the GPU; on the CPU (the kernels under Triton's
+    interpreter) a covering array of them in the default tier, the whole grid in the slow tier."""
+    grid = (("naive", "sdpa", "flash"), ("fp32", "bf16", "bf16-weights"), (1, 3), ("none", "rmsnorm", "rope", "swiglu"))
+    covering = pairwise(*grid)
+    cases = []
+    for device, attentions in (("cpu", grid[0]), ("cuda", ("naive", "flash"))):
+        for attention, precision, num_layers, fused in itertools.product(attentions, *grid[1:]):
+            case = (attention, precision, num_layers, fused)
+            marks = [pytest.mark.gpu] if device == "cuda" else [] if case in covering else [pytest.mark.slow]
+            cases.append(pytest.param(attention, device, PRECISIONS[precision], num_layers, fused, marks=marks,
+                                      id=f"{fused}-{num_layers}-{precision}-{attention}-{device}"))
+    return cases
+
+
+@pytest.mark.parametrize("attention, device, precision, num_layers, fused", saved_activation_cases())
 def test_saved_activations_match_autograd(attention, device, precision, num_layers, fused):
     """Also with each of the blocks' fused kernels, which keep less than the eager ops: on the GPU, and on CPU
     tensors under Triton's interpreter (where there is no GPU)."""

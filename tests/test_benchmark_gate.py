@@ -256,7 +256,7 @@ def test_matmuls(benchmark):
 
 
 @pytest.mark.gpu
-@pytest.mark.slow
+@pytest.mark.timing
 def test_gate_against_trips_on_a_10_percent_gpu_slowdown_and_holds_on_unchanged_code(repo, inner_pytest):
     """Green on unchanged code, twice, and red on a 10% slowdown, at the default turns; each verdict with its
     interval (the gate's error rates over many runs: docs/gate-error-rates.md)."""

@@ -64,7 +64,8 @@ RUN_TIMEOUT = 240
 BASE = TrainSpec(preset="tiny", variant="hsdp", layout="2x2", precision="fp32", batch_size=2, context=16, warmup=0,
                  steps=3, lr=1e-2)
 # name: (spec, exact against the one-process reference). Each costs a launch of six Python processes (~10 s on 2
-# cores): ours and torch's HSDP run by default, the others are marked slow (`-m "not slow"` leaves them out).
+# cores): ours and torch's HSDP run by default, the others in the launch tier (each variant's arithmetic is
+# checked against one process, launched once per module, in its own test file).
 VARIANTS = {
     "hsdp-2x2": (BASE, True),
     "torch-hsdp-2x2": (dataclasses.replace(BASE, variant="torch-hsdp"), True),
@@ -267,7 +268,7 @@ def one_node():
         yield pool
 
 
-@pytest.mark.parametrize("name", [name if name in QUICK else pytest.param(name, marks=pytest.mark.slow)
+@pytest.mark.parametrize("name", [name if name in QUICK else pytest.param(name, marks=pytest.mark.launch)
                                   for name in VARIANTS])
 def test_two_nodes_train_like_one_process(cluster_of, tmp_path, request, name):
     spec, exact = VARIANTS[name]
@@ -300,7 +301,7 @@ FAILURE_LINE = re.compile(r"python -m systems\.parallel: rank (\d) of 4 \(node (
 BACKENDS = ["gloo", pytest.param("nccl", marks=pytest.mark.multigpu(WORLD_SIZE))]
 
 
-@pytest.mark.parametrize("victim", [1, pytest.param(0, marks=pytest.mark.slow)], ids=["joined-second", "store-host"])
+@pytest.mark.parametrize("victim", [1, pytest.param(0, marks=pytest.mark.launch)], ids=["joined-second", "store-host"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_node_that_dies_mid_run_fails_the_job_promptly_naming_rank_and_node(cluster_of, backend, victim):
     """Node `victim` (1: the one that joined second; 0: the one whose launcher hosts the rendezvous' store) is

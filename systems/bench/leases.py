@@ -11,6 +11,8 @@
   `multigpu(n)` (the ranks it spawns see exactly those), and, for a benchmark that needs no GPU, all of them:
   its CPU timing must not share the host. Locks are taken in ascending GPU order, so no two leases wait on
   each other, and any mix of items runs under any N.
+- The host: every item holds it shared, and an item of the timing tier holds it alone (`host_lease`), so no
+  other item runs beside a check of timings.
 """
 
 from __future__ import annotations
@@ -92,6 +94,15 @@ def lease_size(item, gpus: int) -> int:
     if item.get_closest_marker("gpu") is not None or "device" in fixtures:
         return 1
     return gpus if "benchmark" in fixtures else 0
+
+
+@contextlib.contextmanager
+def host_lease(folder: Path, alone: bool) -> Iterator[None]:
+    """Hold the host that the workers sharing `folder` run on: shared, or alone (waiting for every other item to
+    end, and keeping new ones from starting)."""
+    with open(folder / "host.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)  # released when the file closes
+        yield
 
 
 class GpuLocks:

@@ -14,12 +14,13 @@ share_host_with_other_workers()  # before torch is imported, here or anywhere: i
 
 import os  # noqa: E402
 from collections import defaultdict  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from systems.bench import gate, options  # noqa: E402
-from systems.bench.leases import GpuLocks, available_cores, lease_size, visible_gpus  # noqa: E402
+from systems.bench import gate, options, tiers  # noqa: E402
+from systems.bench.leases import GpuLocks, available_cores, host_lease, lease_size, visible_gpus  # noqa: E402
 from systems.bench.oom import OUT_OF_MEMORY, OutOfMemoryGuard  # noqa: E402
 from systems.bench.schema import SCHEMA  # noqa: E402
 from systems.bench.timing import device_info  # noqa: E402
@@ -32,12 +33,13 @@ NEEDS_GPUS = ("systems-lab", "needs GPUs")  # a user property of an item marked 
 def pytest_addoption(parser) -> None:
     options.add_options(parser)
     gate.add_options(parser)
+    tiers.add_options(parser)
 
 
 def pytest_configure(config) -> None:
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
     config.addinivalue_line("markers", "multigpu(n): needs at least n CUDA GPUs, which it holds while it runs")
-    config.addinivalue_line("markers", "slow: takes minutes; deselect with -m 'not slow'")
+    tiers.configure(config)
     options.configure_grid(config)
     gpus = torch.cuda.device_count()
     if gpus and benchmarks_enabled(config):  # benchmarks under -n run on GPUs: pytest-benchmark's word is moot
@@ -48,7 +50,8 @@ def pytest_configure(config) -> None:
         config.pluginmanager.register(worker, "systems-lab-worker")
         if gpus:
             torch.cuda.init()  # with every GPU visible: a lease narrows CUDA_VISIBLE_DEVICES for children only
-            config.pluginmanager.register(Leases(GpuLocks(worker.shared, visible_gpus()), gpus), "systems-lab-leases")
+        locks = GpuLocks(worker.shared, visible_gpus()) if gpus else None
+        config.pluginmanager.register(Leases(worker.shared, locks, gpus), "systems-lab-leases")
         return
     if config.getoption("dist", "no") != "no":
         config.pluginmanager.register(Controller(config, gpus), "systems-lab-controller")
@@ -56,21 +59,24 @@ def pytest_configure(config) -> None:
 
 
 class Leases:
-    """In an xdist worker on a GPU host: each item holds the GPUs it runs on (systems.bench.leases)."""
+    """In an xdist worker: each item holds the host (shared, or alone for the timing tier) and the GPUs it runs
+    on (systems.bench.leases)."""
 
-    def __init__(self, locks: GpuLocks, gpus: int):
-        self.locks, self.gpus = locks, gpus
+    def __init__(self, shared: Path, locks: GpuLocks | None, gpus: int):
+        self.shared, self.locks, self.gpus = shared, locks, gpus
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item):
-        n = lease_size(item, self.gpus)
-        if n == 0 or n > self.gpus:  # nothing to hold, or skipped for want of GPUs
-            return (yield)
-        with self.locks.lease(n):
-            return (yield)
+        with host_lease(self.shared, alone=tiers.tier_of(item) == "timing"):
+            n = lease_size(item, self.gpus)
+            if n == 0 or n > self.gpus:  # nothing to hold, or skipped for want of GPUs
+                return (yield)
+            with self.locks.lease(n):
+                return (yield)
 
 
 def pytest_collection_modifyitems(config, items) -> None:
+    items[:] = tiers.select(config, items)
     gpus = torch.cuda.device_count()  # the host's: an xdist worker sees every GPU
     for item in items:
         if any(item.get_closest_marker(name) for name in HARDWARE_MARKERS):
@@ -84,8 +90,11 @@ def pytest_collection_modifyitems(config, items) -> None:
         items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
-def pytest_terminal_summary(terminalreporter) -> None:
-    """Which GPU tests ran, and why the others could not: a skip here is not a pass."""
+def pytest_terminal_summary(terminalreporter, config) -> None:
+    """Which tiers and GPU tests ran, and why the others could not: a skip here is not a pass."""
+    if line := tiers.summary_line(config):
+        terminalreporter.section("test tiers")
+        terminalreporter.line(line)
     reports = [report for reports in terminalreporter.stats.values() for report in reports
                if isinstance(report, pytest.TestReport) and NEEDS_GPUS in report.user_properties]
     ran = sum(report.when == "call" and not report.skipped for report in reports)

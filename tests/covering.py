@@ -1,0 +1,24 @@
+"""Covering arrays for the default tier: a few cases of a parameter grid in which every pair of values of any two
+parameters meets at least once, so a bug that shows with one value, or with two together, is still caught; the
+rest of the grid runs in the slow tier (systems.bench.tiers)."""
+
+from __future__ import annotations
+
+import itertools
+
+
+def pairwise(*dimensions: tuple) -> list[tuple]:
+    """Cases of the grid covering every pair of values of any two dimensions, chosen greedily (each the case that
+    covers the most pairs still uncovered, the first such in the grid's order), in the grid's order."""
+    grid = list(itertools.product(*dimensions))
+    uncovered = {pair for case in grid for pair in _pairs(case)}
+    chosen = []
+    while uncovered:
+        best = max(grid, key=lambda case: len(_pairs(case) & uncovered))
+        chosen.append(best)
+        uncovered -= _pairs(best)
+    return sorted(chosen, key=grid.index)
+
+
+def _pairs(case: tuple) -> frozenset:
+    return frozenset(((i, case[i]), (j, case[j])) for i, j in itertools.combinations(range(len(case)), 2))
