@@ -125,8 +125,7 @@ def replay(storage: Path, turns: list[int], check) -> dict:
                 base = [{name: point["baseline"][t]} for t in chosen]
                 work = [{name: point["work"][t]} for t in chosen]
                 verdicts += decide(base, work, check)
-        results[k] = {"gates": len(verdicts), **tally(verdicts),
-                      "changes": [v.change for v in verdicts], "intervals": [(v.low, v.high) for v in verdicts]}
+        results[k] = {"gates": len(verdicts), **tally(verdicts)}
         print(f"{k} turns, {describe(check)}: {results[k]['slower']} slower, {results[k]['undecided']} undecided, "
               f"{results[k]['ok']} ok of {len(verdicts)}")
     return results

@@ -5,6 +5,8 @@ change gets its first answer fast. A tier is a marker: `-m` still selects within
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 DEFAULT = "default"  # the tests that carry no tier's marker
@@ -45,13 +47,12 @@ def tier_of(item) -> str:
 def select(config, items: list) -> list:
     """The items of the chosen tiers; the others are reported deselected."""
     names = chosen(config)
-    kept = [item for item in items if tier_of(item) in names]
-    left = [item for item in items if tier_of(item) not in names]
+    tier = {item: tier_of(item) for item in items}
+    left = [item for item in items if tier[item] not in names]
     if left:
         config.hook.pytest_deselected(items=left)
-    config.stash[LEFT_OUT] = {name: sum(tier_of(item) == name for item in left) for name in (DEFAULT, *TIERS)
-                              if any(tier_of(item) == name for item in left)}
-    return kept
+    config.stash[LEFT_OUT] = dict(Counter(tier[item] for item in left))
+    return [item for item in items if tier[item] in names]
 
 
 def summary_line(config) -> str | None:
