@@ -1,9 +1,13 @@
 """Test tiers: the default run leaves out the items of every tier and says so, --tiers picks tiers by name (a bad
-one is a usage error), and under xdist an item of the timing tier runs with no other item beside it."""
+one is a usage error), under xdist an item of the timing tier runs with no other item beside it, and the covering
+arrays that stand for a grid in the default tier meet every pair of values."""
 
+import itertools
 import json
 
 import pytest
+
+from covering import pairwise
 
 TIERED = """
 import pytest
@@ -81,3 +85,14 @@ def test_under_xdist_a_timing_item_runs_alone(inner_pytest, tmp_path, monkeypatc
     others = [json.loads(path.read_text()) for path in spans.glob("plain-*")]
     assert len(others) == 10
     assert all(end <= timed[0] or start >= timed[1] for start, end in others)
+
+
+def test_the_covering_array_meets_every_pair_of_values_and_is_small():
+    """The default tier's sibling of a grid: every two values of any two dimensions in one case, checked against
+    the grid's pairs counted apart from the generator."""
+    dimensions = (("naive", "sdpa", "flash"), ("fp32", "bf16", "bf16-weights"), (1, 3), ("none", "a", "b", "c"))
+    cases = pairwise(*dimensions)
+    for (i, first), (j, second) in itertools.combinations(enumerate(dimensions), 2):
+        for a, b in itertools.product(first, second):
+            assert any(case[i] == a and case[j] == b for case in cases), (i, a, j, b)
+    assert len(cases) <= 14 < len(list(itertools.product(*dimensions)))
