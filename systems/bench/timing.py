@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
 import pathlib
@@ -44,6 +45,7 @@ def device_info() -> dict:
         "cpu": platform.processor() or platform.machine(),
         "gpu": None,
         "gpu_count": 0,
+        "host_malloc": _host_malloc,
     }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
@@ -89,6 +91,28 @@ def record_measured(benchmark, measured: Measured) -> None:
     benchmark.extra_info[MEASURED] = to_record(measured)
 
 
+# glibc's settings for a timed process (mallopt's parameter numbers): blocks up to 1 GiB come from the heap rather
+# than their own mmap, and the heap's free top is never trimmed.
+HOST_MALLOC = {"mmap_threshold": (-3, 2**30), "trim_threshold": (-1, 2**31 - 1)}
+_host_malloc: dict | None = None  # the settings applied in this process
+
+
+def keep_freed_host_memory() -> None:
+    """Keep freed host memory in this process (glibc only), so that every round starts alike: by default glibc
+    hands a freed block of 32 MiB or more back to the kernel at once, and trims the heap, so the next round
+    faults every page of its activations in again; a CPU model's rounds then swing by several times.
+    Histories record the settings (device_info's host_malloc)."""
+    global _host_malloc
+    if _host_malloc is not None:
+        return
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    if all(libc.mallopt(param, value) for param, value in HOST_MALLOC.values()):
+        _host_malloc = {name: value for name, (_, value) in HOST_MALLOC.items()}
+
+
 @dataclass(frozen=True)
 class Timing:
     seconds: float | None  # median seconds per call; None under --benchmark-disable, where fn ran once, untimed
@@ -101,6 +125,8 @@ def time_on_device(benchmark, fn, *, device: torch.device, warmup: int, rounds: 
     Each round ends with a device synchronize, so the wall-clock timer sees the kernels finish;
     `setup` (untimed, once per round) returns the positional arguments of `fn`.
     """
+
+    keep_freed_host_memory()
 
     def timed(*args):
         fn(*args)  # nothing returned: pytest-benchmark would hold a round's output through the next round
