@@ -48,9 +48,20 @@ def pytest_generate_tests(metafunc):
     grid = grid_of(metafunc.config)
     for name, phases in (("point", MODEL_PHASES), ("snapshot_point", SNAPSHOT_PHASES)):
         if name in metafunc.fixturenames:
-            metafunc.parametrize(name, model_grid(grid, phases), ids=str)
+            metafunc.parametrize(name, [on_model_worker(point) for point in model_grid(grid, phases)])
     if "warmup_point" in metafunc.fixturenames:
         metafunc.parametrize("warmup_point", warmup_points(grid), ids=str)
+
+
+def model_key(point: ModelPoint) -> tuple:
+    """What makes a point's model: the points that share it share one build (ModelCache)."""
+    return point.preset, point.edition, point.attention, point.compile, point.precision.weights
+
+
+def on_model_worker(point: ModelPoint):
+    """The point as a parameter whose model's points run on one worker under `pytest -n`: built once there."""
+    group = "model:" + "-".join(str(part).removeprefix("torch.") for part in model_key(point))
+    return pytest.param(point, id=str(point), marks=pytest.mark.xdist_group(group))
 
 
 class ModelCache:
@@ -61,7 +72,7 @@ class ModelCache:
         self.key, self.model = None, None
 
     def get(self, point: ModelPoint) -> TransformerLM:
-        key = (point.preset, point.edition, point.attention, point.compile, point.precision.weights)
+        key = model_key(point)
         if key != self.key:
             self.key, self.model = None, None
             gc.collect()

@@ -2,10 +2,10 @@
 # The gate's error rates on a laptop CPU (docs/gate-error-rates.md): real gates of bench_model's tiny forward
 # against HEAD from a clone of HEAD with a slowdown planted, each gate's samples saved with its run, then replayed
 # at fewer turns (python -m systems.bench.gate_rates replay).
-#   jobs/laptop_gate_rates.sh OUT GATES TURNS PLANT     PLANT: none, sleep (0.3 s in TransformerLM.forward) or
-#                                                       twice (forward_loss runs the model twice: 2x)
+#   jobs/laptop_gate_rates.sh OUT GATES TURNS PLANT [ROUNDS]   PLANT: none, sleep (0.3 s in TransformerLM.forward)
+#                                                  or twice (forward_loss runs the model twice: 2x); ROUNDS: 3
 set -euo pipefail
-out=$(realpath -m "$1") gates=$2 turns=$3 plant=$4
+out=$(realpath -m "$1") gates=$2 turns=$3 plant=$4 rounds=${5:-3}
 root=$(git rev-parse --show-toplevel)
 clone=$(mktemp -d)/planted
 git -C "$root" worktree add -q --detach "$clone" HEAD
@@ -19,7 +19,7 @@ esac
 git -C "$clone" diff --stat
 mkdir -p "$out"
 for gate in $(seq "$gates"); do
-  (cd "$clone" && python -m pytest benches/bench_model.py --precisions fp32 --rounds 3 --warmup-steps 1 \
+  (cd "$clone" && python -m pytest benches/bench_model.py --precisions fp32 --rounds "$rounds" --warmup-steps 1 \
      -k 'test_model and forward and not backward' --benchmark-gate median:5% --benchmark-gate-against HEAD \
      --benchmark-gate-turns "$turns" --benchmark-gate-accept-undecided --benchmark-storage "$out/storage" \
      -p no:cacheprovider -q) > "$out/gate-$gate.log" 2>&1 || { echo "gate $gate failed"; tail "$out/gate-$gate.log"; }

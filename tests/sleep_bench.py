@@ -11,12 +11,22 @@ import os
 import signal
 import time
 
+import torch
+
+from systems.bench.timing import time_on_device
+
 DELAY = {{"first": {first}, "last": {last}}}  # seconds
 
 
 def nap(benchmark, point):
     factor = float(os.environ.get("SLOWDOWN_" + point, os.environ.get("SLOWDOWN", "1")))
-    benchmark.pedantic(time.sleep, args=(DELAY[point] * factor,), rounds=5, warmup_rounds=1)
+    time_on_device(benchmark, lambda: time.sleep(DELAY[point] * factor * drift()), device=torch.device("cpu"),
+                   warmup=1, rounds=5)
+
+
+def drift():
+    \"\"\"A machine whose speed swings: slower by up to DRIFT and back every 2 s (a triangle wave).\"\"\"
+    return 1 + float(os.environ.get("DRIFT", 0)) * abs(time.time() % 2 - 1)
 
 
 def test_first(benchmark):
@@ -44,7 +54,9 @@ GATE = "--benchmark-gate=mean:50%"
 
 @pytest.fixture
 def bench(inner_pytest, monkeypatch):
-    """A project with BENCH, run with the plugin; `bench(*args, **env)` runs pytest there with env set."""
+    """A project with BENCH, run with the plugin; `bench(*args, **env)` runs pytest there with env set: in this
+    process (seconds cheaper than a new one, which imports torch again), but in a process of its own where the run
+    interrupts itself."""
     inner_pytest.makepyfile(test_sleep=BENCH.format(first=0.01, last=0.01))
 
     def run(*args, **env):
@@ -52,7 +64,8 @@ def bench(inner_pytest, monkeypatch):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, str(value))
-        return inner_pytest.runpytest_subprocess("-p", "no:cacheprovider", *args)
+        run = inner_pytest.runpytest_subprocess if env.get("STOP") == "interrupt" else inner_pytest.runpytest_inprocess
+        return run("-p", "no:cacheprovider", *args)
 
     return run
 

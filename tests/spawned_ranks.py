@@ -1,5 +1,6 @@
 """A module-scoped fixture that runs a job once on every rank of each process group a distributed test
-file checks: gloo on the CPU at some world sizes, and NCCL at some (2 GPUs unless told: a multi-GPU test)."""
+file checks: gloo on the CPU at some world sizes, and NCCL at some (2 GPUs unless told: a multi-GPU test).
+Under `pytest -n` the tests of one process group run on one worker (an xdist group), which launches it once."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ def results_by_rank(name: str, job: Callable[[], object], gloo_world_sizes: tupl
     """A fixture `name`: `job()`'s result on each rank, in rank order, once per process group; the gloo groups of
     `slow_gloo_world_sizes` in the slow tier."""
 
-    params = process_groups(gloo_world_sizes, nccl_world_sizes, slow_gloo_world_sizes)
+    params = process_groups(gloo_world_sizes, nccl_world_sizes, slow_gloo_world_sizes,
+                            worker_group=f"{job.__module__}.{name}")
 
     @pytest.fixture(scope="module", params=params, name=name)
     def results(request) -> list:
@@ -26,9 +28,16 @@ def results_by_rank(name: str, job: Callable[[], object], gloo_world_sizes: tupl
 
 
 def process_groups(gloo_world_sizes: tuple[int, ...], nccl_world_sizes: tuple[int, ...],
-                   slow_gloo_world_sizes: tuple[int, ...] = ()) -> list:
-    """The fixture's parameters: (backend, world size), NCCL's marked as needing that many GPUs."""
-    groups = [pytest.param(("gloo", n), id=f"gloo-{n}", marks=[pytest.mark.slow] if n in slow_gloo_world_sizes else [])
-              for n in sorted({*gloo_world_sizes, *slow_gloo_world_sizes})]
-    return groups + [pytest.param(("nccl", n), id=f"nccl-{n}", marks=pytest.mark.multigpu(n))
-                     for n in nccl_world_sizes]
+                   slow_gloo_world_sizes: tuple[int, ...] = (), worker_group: str | None = None) -> list:
+    """The fixture's parameters: (backend, world size), NCCL's marked as needing that many GPUs; with
+    `worker_group`, each marked as an xdist group of its own."""
+
+    def marks(backend: str, n: int) -> list:
+        tier = [pytest.mark.slow] if backend == "gloo" and n in slow_gloo_world_sizes else []
+        gpus = [pytest.mark.multigpu(n)] if backend == "nccl" else []
+        worker = [pytest.mark.xdist_group(f"{worker_group}:{backend}-{n}")] if worker_group else []
+        return tier + gpus + worker
+
+    return ([pytest.param(("gloo", n), id=f"gloo-{n}", marks=marks("gloo", n))
+             for n in sorted({*gloo_world_sizes, *slow_gloo_world_sizes})]
+            + [pytest.param(("nccl", n), id=f"nccl-{n}", marks=marks("nccl", n)) for n in nccl_world_sizes])

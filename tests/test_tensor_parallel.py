@@ -201,7 +201,7 @@ def train_all() -> dict:
 
 
 WORLD_SIZES = (2, 4)  # under gloo and NCCL alike
-GROUPS = process_groups(WORLD_SIZES, WORLD_SIZES)
+GROUPS = process_groups(WORLD_SIZES, WORLD_SIZES, worker_group=f"{__name__}.ranks")
 ranks = results_by_rank("ranks", train_all, WORLD_SIZES, timeout=300, nccl_world_sizes=WORLD_SIZES)
 
 

@@ -4,9 +4,10 @@ baseline's samples, or with `--benchmark-gate-against REV` against a revision ti
 
 Saved histories drift from day to day (clocks, temperature, drivers), so a gate against them needs a wide margin.
 The same-job gate checks REV out in a temporary git worktree and runs the session's selection of benchmarks in
-both trees, alternately, `turns` times, each run a fresh `pytest` process; the working tree's last turn is the
-session itself, which prints and saves its results as any run does. A point fails where it is slower, and also
-where the samples cannot decide, unless --benchmark-gate-accept-undecided; the saved run keeps the evidence.
+both trees `turns` times, both runs of a turn at once, passing a baton so that their rounds alternate
+(systems.bench.baton); the working tree's last run is the session itself, which prints and saves its results as
+any run does. A point fails where it is slower, and also where the samples cannot decide, unless
+--benchmark-gate-accept-undecided; the saved run keeps the evidence.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
 from pytest_benchmark.utils import PercentageRegressionCheck, RegressionCheck, get_tag, parse_compare_fail
 
+from systems.bench import baton
 from systems.bench.history import Histories, HistoryError, LockedFileStorage, latest_per_point
 from systems.bench.options import grid_of
 from systems.bench.verdicts import (CONFIDENCE, LOCATIONS, MAX_SAMPLES, NEW, UNDECIDED, Verdict, can_decide,
@@ -96,9 +98,8 @@ def check_decidable(turns: int, rounds: int, revision: bool) -> None:
 
 
 def turn_orders(turns: int) -> list[tuple[str, str]]:
-    """Which tree runs first in each turn. Alternating (ABBA...) so that a trend through the job (a GPU warming
-    up, a neighbour's job starting) favours neither tree; the last turn ends with the working tree, which is the
-    session's own run."""
+    """Which tree holds the baton first in each turn. Alternating (ABBA...) so that whatever the first or second
+    round of a pair gains (caches, clocks) favours neither tree."""
     return [(BASELINE, WORK) if (turns - 1 - turn) % 2 == 0 else (WORK, BASELINE) for turn in range(turns)]
 
 
@@ -253,7 +254,8 @@ class SavedRunGate(Gate):
 
 
 class RevisionGate(Gate):
-    """`--benchmark-gate-against REV`: the other turns before the session, verdicts after it."""
+    """`--benchmark-gate-against REV`: each turn runs both trees at once, passing a baton round by round
+    (systems.bench.baton); the last turn's working tree is the session itself, verdicts after it."""
 
     def __init__(self, config, rev: str, turns: int, check: RegressionCheck):
         if config.getoption("benchmark_compare") or config.getoption("benchmark_compare_fail"):
@@ -265,40 +267,82 @@ class RevisionGate(Gate):
         super().__init__(config, check, f"{rev} ({self.commit[:10]})")
         self.args = turn_args(list(config.invocation_params.args))
         self.turns = turns
+        self.held = ExitStack()  # the scratch folder and the baseline's worktree, until the last turn ends
+        self.last: tuple[Run, baton.Baton] | None = None  # the last turn's baseline run, and the session's baton
+        self.runs: list[Run] = []
 
     def pytest_sessionstart(self) -> None:
-        with tempfile.TemporaryDirectory(prefix="benchmark-gate-") as scratch:
-            with _worktree(self.root, self.commit, Path(scratch) / "baseline") as baseline:
-                for turn, order in enumerate(turn_orders(self.turns)):
-                    for side in order:
-                        if (turn, side) == (self.turns - 1, WORK):
-                            continue  # the session's own run
-                        tree = baseline if side == BASELINE else self.root
-                        what = f"turn {turn + 1} of {self.turns}, {side}"
-                        rounds = self._run(tree, Path(scratch) / f"{turn}-{side}.json", what)
-                        (self.baseline if side == BASELINE else self.work).append(rounds)
-        print(f"benchmark gate: turn {self.turns} of {self.turns}, {WORK}: this session")
+        scratch = Path(self.held.enter_context(tempfile.TemporaryDirectory(prefix="benchmark-gate-")))
+        trees = {BASELINE: self.held.enter_context(_worktree(self.root, self.commit, scratch / "baseline")),
+                 WORK: self.root}
+        for turn, order in enumerate(turn_orders(self.turns)):
+            ends = dict(zip(order, baton.pair()))
+            runs = {side: self._start(trees[side], scratch, f"turn {turn + 1} of {self.turns}, {side}", ends[side],
+                                      first=side == order[0])
+                    for side in order if (turn, side) != (self.turns - 1, WORK)}
+            if turn < self.turns - 1:
+                for side, run in runs.items():
+                    (self.baseline if side == BASELINE else self.work).append(run.finish())
+            else:
+                self.last = runs[BASELINE], baton.Baton(*ends[WORK], first=order[0] == WORK)
+        print(f"benchmark gate: turn {self.turns} of {self.turns}, {WORK}: this session, with the {BASELINE} "
+              "passing a baton")
 
-    def _run(self, tree: Path, out: Path, what: str) -> Rounds:
-        """One run of the selected benchmarks in `tree`: each point's rounds."""
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtestloop(self) -> None:
+        baton.begin(self.last[1])
+
+    def decide(self, session) -> list[Verdict]:
+        baton.end()
+        self.baseline.append(self.last[0].finish())
+        self.held.close()
+        return super().decide(session)
+
+    def pytest_unconfigure(self) -> None:
+        for run in self.runs:  # where the session stopped before its end, or another run failed
+            run.proc.kill()
+            run.proc.wait()
+        self.held.close()
+
+    def _start(self, tree: Path, scratch: Path, what: str, ends: tuple[int, int], first: bool) -> Run:
+        """A run of the selected benchmarks in `tree`, passing the baton through `ends`."""
         root = str(self.root) + os.sep
         args = [str(tree) + os.sep + arg.removeprefix(root) if arg.startswith(root) else arg for arg in self.args]
+        name = what.replace(" ", "-").replace(",", "")
         env = {**os.environ,
                "PYTHONPATH": os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])),
-               "PYTEST_ADDOPTS": shlex.join(turn_args(shlex.split(os.environ.get("PYTEST_ADDOPTS", ""))))}
-        start = time.perf_counter()
-        proc = subprocess.run([sys.executable, "-m", "pytest", *args, f"--benchmark-json={out}"],
-                              cwd=tree / self.cwd.relative_to(self.root), env=env, capture_output=True, text=True)
-        print(f"benchmark gate: {what}: exit {proc.returncode} after {time.perf_counter() - start:.1f} s")
-        if proc.returncode not in _RUN_OK:
-            pytest.exit(f"benchmark gate: the run of {what} exited with {proc.returncode}:\n"
-                        f"{(proc.stdout + proc.stderr)[-4000:]}", returncode=pytest.ExitCode.INTERNAL_ERROR)
-        if not out.exists():  # no benchmark ran
-            return {}
-        return {bench["fullname"]: bench["stats"]["data"] for bench in json.loads(out.read_text())["benchmarks"]}
+               "PYTEST_ADDOPTS": shlex.join(turn_args(shlex.split(os.environ.get("PYTEST_ADDOPTS", "")))),
+               baton.ENV: baton.env_value(ends, first)}
+        out, log = scratch / f"{name}.json", scratch / f"{name}.log"
+        with log.open("w") as output:
+            proc = subprocess.Popen([sys.executable, "-m", "pytest", *args, f"--benchmark-json={out}"],
+                                    cwd=tree / self.cwd.relative_to(self.root), env=env, stdout=output,
+                                    stderr=subprocess.STDOUT, pass_fds=ends)
+        for fd in ends:  # the run's now: the other run sees its end when it exits
+            os.close(fd)
+        self.runs.append(Run(proc, out, log, what, time.perf_counter()))
+        return self.runs[-1]
 
     def header(self) -> str:
-        return f"benchmark gate: the working tree against {self.against}, turns: {self.turns}"
+        return f"benchmark gate: the working tree against {self.against}, turns: {self.turns}, rounds passing a baton"
+
+
+class Run:
+    """A turn's run of one tree in a process of its own."""
+
+    def __init__(self, proc: subprocess.Popen, out: Path, log: Path, what: str, start: float):
+        self.proc, self.out, self.log, self.what, self.start = proc, out, log, what, start
+
+    def finish(self) -> Rounds:
+        """Each point's rounds, once the run has ended."""
+        code = self.proc.wait()
+        print(f"benchmark gate: {self.what}: exit {code} after {time.perf_counter() - self.start:.1f} s")
+        if code not in _RUN_OK:
+            pytest.exit(f"benchmark gate: the run of {self.what} exited with {code}:\n"
+                        f"{self.log.read_text()[-4000:]}", returncode=pytest.ExitCode.INTERNAL_ERROR)
+        if not self.out.exists():  # no benchmark ran
+            return {}
+        return {bench["fullname"]: bench["stats"]["data"] for bench in json.loads(self.out.read_text())["benchmarks"]}
 
 
 def turn_args(args: list[str]) -> list[str]:

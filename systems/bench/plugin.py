@@ -19,7 +19,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from systems.bench import gate, options, tiers  # noqa: E402
+from systems.bench import baton, gate, options, schedule, tiers  # noqa: E402
 from systems.bench.leases import GpuLocks, available_cores, host_lease, lease_size, visible_gpus  # noqa: E402
 from systems.bench.oom import OUT_OF_MEMORY, OutOfMemoryGuard  # noqa: E402
 from systems.bench.schema import SCHEMA  # noqa: E402
@@ -53,8 +53,11 @@ def pytest_configure(config) -> None:
         locks = GpuLocks(worker.shared, visible_gpus()) if gpus else None
         config.pluginmanager.register(Leases(worker.shared, locks, gpus), "systems-lab-leases")
         return
-    if config.getoption("dist", "no") != "no":
-        config.pluginmanager.register(Controller(config, gpus), "systems-lab-controller")
+    controller = Controller(config, gpus) if config.getoption("dist", "no") != "no" else None
+    if controller is not None:
+        config.pluginmanager.register(controller, "systems-lab-controller")
+    config.pluginmanager.register(schedule.Durations(config, controller.groups if controller else dict),
+                                  "systems-lab-durations")
     gate.configure(config)
 
 
@@ -75,6 +78,11 @@ class Leases:
                 return (yield)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session) -> None:
+    baton.begin_from_env()  # a turn's run that --benchmark-gate-against started: wait for the baton
+
+
 def pytest_collection_modifyitems(config, items) -> None:
     items[:] = tiers.select(config, items)
     gpus = torch.cuda.device_count()  # the host's: an xdist worker sees every GPU
@@ -87,7 +95,7 @@ def pytest_collection_modifyitems(config, items) -> None:
         if marker and gpus < marker.args[0]:
             item.add_marker(pytest.mark.skip(reason=f"needs {marker.args[0]} GPUs, this machine has {gpus}"))
     if "PYTEST_XDIST_WORKER" in os.environ:  # the longest start first, so that they do not end the run alone
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+        items[:] = schedule.longest_first(items, schedule.seconds_by_item(config))
 
 
 def pytest_terminal_summary(terminalreporter, config) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from systems.bench import baton
 from systems.bench.schema import KINDS, MEASURED, POINT, Measured, Point, Throughput, to_record
 from systems.device import synchronize
 from systems.precision import Precision
@@ -133,6 +134,7 @@ def time_on_device(benchmark, fn, *, device: torch.device, warmup: int, rounds: 
         synchronize(device)
 
     def prepare():
+        baton.pass_on()  # the other run's round first, in a turn of --benchmark-gate-against
         args = setup() if setup else ()
         synchronize(device)
         return args, {}

@@ -18,6 +18,7 @@ import pytest
 from pytest_benchmark.stats import Metadata
 from pytest_benchmark.utils import safe_dumps
 
+from systems.bench import schedule
 from systems.bench.oom import OUT_OF_MEMORY
 
 # A worker's workeroutput: its benchmarks, its out-of-memory points, and whether it stopped early.
@@ -40,8 +41,10 @@ class Worker:
 
     def pytest_collection_modifyitems(self, items) -> None:
         # Tell the controller before it hears that collection finished (which it checks; see Controller).
+        worker = self.config.workerinput["workerid"]
         if any("benchmark" in getattr(item, "fixturenames", ()) for item in items):
-            (self.shared / f"benchmarks-{self.config.workerinput['workerid']}").touch()
+            (self.shared / f"benchmarks-{worker}").touch()
+        schedule.write_groups(self.shared, worker, items)
 
     def pytest_sessionstart(self, session) -> None:
         benchmarks = self.config._benchmarksession  # made by pytest-benchmark's (trylast) pytest_configure
@@ -66,11 +69,22 @@ class Controller:
         self.order: dict[str, int] = {}  # node id -> position in collection order
         config.stash[WORKER_STOPPED] = False
 
+    @property
+    def shared(self) -> Path:
+        return self.config._tmp_path_factory.getbasetemp() / SHARED  # beside the workers' folders, which are in it
+
+    def groups(self) -> dict[str, str]:
+        return schedule.read_groups(self.shared)
+
+    @pytest.hookimpl(optionalhook=True, tryfirst=True)
+    def pytest_xdist_make_scheduler(self, config, log):
+        """`-n`'s default mode (load): units whole, longest first (systems.bench.schedule)."""
+        return schedule.UnitScheduling(config, log, self.shared) if config.getoption("dist") == "load" else None
+
     @pytest.hookimpl(optionalhook=True)
     def pytest_xdist_node_collection_finished(self, node, ids) -> None:
         self.order = self.order or {nodeid: i for i, nodeid in enumerate(ids)}
-        # The workers' temporary folders (xdist's) are in this one, their shared folder beside them.
-        collected = self.config._tmp_path_factory.getbasetemp() / SHARED / f"benchmarks-{node.gateway.id}"
+        collected = self.shared / f"benchmarks-{node.gateway.id}"
         if collected.exists() and not self.gpus and benchmarks_enabled(self.config):
             pytest.exit("benchmarks under -n need GPUs, each point timed on its own: on the CPU, parallel workers "
                         "would time each other (run them without -n, or pass --benchmark-disable)",

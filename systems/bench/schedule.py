@@ -1,0 +1,147 @@
+"""The order of work under `pytest -n`: units whole to one worker, the longest first, so that no worker ends the
+run alone.
+
+A unit is an xdist group (`pytest.mark.xdist_group`: the tests of one spawned process group, the benchmark points of
+one model), which one worker runs whole, or else one item. The workers order the items by their units' seconds as
+earlier runs recorded them in pytest's cache, longest first, an ungrouped item's unit there being its module (so a
+module's items stay together); where nothing is recorded (a fresh clone), units holding a slow test come first.
+`UnitScheduling` hands the units out in that order (xdist's own `loadgroup` orders groups by their number of tests,
+and pytest 9 drops the node ids it marks). `python -m systems.bench.schedule -n 8` predicts a run's wall time from
+the recorded seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import os
+import sys
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+from xdist.scheduler import LoadScopeScheduling
+
+CACHE_KEY = "systems-lab/durations"  # {node id: [seconds, the unit UnitScheduling hands it out in]}
+GROUPS = "groups-*.json"  # in the workers' shared folder, one per worker: {node id: xdist group}
+
+
+def group_of(item) -> str | None:
+    marker = item.get_closest_marker("xdist_group")
+    if marker is None:
+        return None
+    return str(marker.args[0] if marker.args else marker.kwargs.get("name", "default"))
+
+
+def unit_of(item) -> str:
+    """What an item's seconds count towards: its xdist group, else its module."""
+    return group_of(item) or item.nodeid.split("::")[0]
+
+
+def longest_first(items: list, seconds: dict[str, float]) -> list:
+    """The items, units longest first (recorded seconds, then holding a slow test), each unit in its order."""
+    units = defaultdict(list)
+    for item in items:
+        units[unit_of(item)].append(item)
+
+    def weight(unit: list) -> tuple:
+        recorded = sum(seconds.get(item.nodeid, 0.0) for item in unit)
+        return -recorded, not any(item.get_closest_marker("slow") for item in unit)
+
+    return [item for unit in sorted(units.values(), key=weight) for item in unit]  # stable: ties keep their order
+
+
+def write_groups(shared: Path, worker: str, items: list) -> None:
+    """A worker's items' groups, for the controller's scheduler (before the controller hears collection ended)."""
+    path = shared / GROUPS.replace("*", worker)
+    path.with_suffix(".tmp").write_text(json.dumps({item.nodeid: group for item in items
+                                                    if (group := group_of(item)) is not None}))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def read_groups(shared: Path) -> dict[str, str]:
+    paths = sorted(shared.glob(GROUPS))
+    return json.loads(paths[0].read_text()) if paths else {}  # every worker collected the same items
+
+
+class UnitScheduling(LoadScopeScheduling):
+    """xdist's scope scheduling with an item's xdist group, or the item alone, as its scope, handed out in the
+    order the workers collected (longest first)."""
+
+    def __init__(self, config, log, shared: Path):
+        config.option.loadscopereorder = False  # keep the workers' order, not xdist's by number of tests
+        super().__init__(config, log)
+        self.shared, self.groups = shared, None
+
+    def _split_scope(self, nodeid: str) -> str:
+        if self.groups is None:  # called once every worker has collected
+            self.groups = read_groups(self.shared)
+        return self.groups.get(nodeid, nodeid)
+
+
+def recorded(config) -> dict[str, list]:
+    """{node id: [seconds, unit]} as earlier runs recorded them; empty under -p no:cacheprovider."""
+    cache = getattr(config, "cache", None)
+    return cache.get(CACHE_KEY, {}) if cache is not None else {}
+
+
+def seconds_by_item(config) -> dict[str, float]:
+    return {nodeid: seconds for nodeid, (seconds, _) in recorded(config).items()}
+
+
+class Durations:
+    """Records each item's seconds (setup, call and teardown) and unit into pytest's cache at the end of a run:
+    a serial run, or xdist's controller, which hears every worker's reports and reads their groups."""
+
+    def __init__(self, config, groups: Callable[[], dict[str, str]]):
+        self.config, self.groups = config, groups  # the workers' groups, under xdist
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.units: dict[str, str] = {}
+
+    def pytest_collection_modifyitems(self, items) -> None:  # serial runs only: a controller collects nothing
+        self.units = {item.nodeid: group_of(item) or item.nodeid for item in items}
+
+    def pytest_runtest_logreport(self, report) -> None:
+        self.seconds[report.nodeid] += report.duration
+
+    def pytest_sessionfinish(self) -> None:
+        cache = getattr(self.config, "cache", None)
+        if cache is None or not self.seconds:
+            return
+        groups = self.groups()
+        units = {nodeid: self.units.get(nodeid) or groups.get(nodeid) or nodeid for nodeid in self.seconds}
+        cache.set(CACHE_KEY, {**recorded(self.config),
+                              **{nodeid: [seconds, units[nodeid]] for nodeid, seconds in self.seconds.items()}})
+
+
+def predict(seconds: list[float], workers: int) -> float:
+    """Wall seconds of units lasting `seconds` on `workers` workers, each unit given to the first free worker in
+    order: with the units longest first, the longest-processing-time rule."""
+    free = [0.0] * workers
+    for duration in seconds:
+        heapq.heapreplace(free, free[0] + duration)
+    return max(free)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m systems.bench.schedule", description=__doc__.splitlines()[0])
+    parser.add_argument("-n", type=int, required=True, help="workers")
+    parser.add_argument("--cache", type=Path, default=Path(".pytest_cache"), help="pytest's cache folder")
+    args = parser.parse_args(argv)
+    path = args.cache / "v" / CACHE_KEY
+    if not path.exists():
+        print(f"schedule: no durations recorded in {path}; run pytest once first", file=sys.stderr)
+        return 2
+    units = defaultdict(float)
+    for duration, unit in json.loads(path.read_text()).values():
+        units[unit] += duration
+    wall = predict(sorted(units.values(), reverse=True), args.n)
+    print(f"{len(units)} units, {sum(units.values()):.0f} s of items: predicted wall time on {args.n} workers "
+          f"{wall:.0f} s (the longest unit {max(units.values()):.0f} s); items only: not start-up, collection or "
+          "waits for GPUs")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
