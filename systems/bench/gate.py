@@ -293,6 +293,8 @@ class RevisionGate(Gate):
         baton.begin(self.last[1])
 
     def decide(self, session) -> list[Verdict]:
+        if self.last is None:  # the earlier turns stopped the session
+            return []
         baton.end()
         self.baseline.append(self.last[0].finish())
         self.held.close()
