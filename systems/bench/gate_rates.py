@@ -3,9 +3,10 @@
     python -m systems.bench.gate_rates simulate --gates 20 --turns 3 --out gate-rates.json   # on a GPU
     python -m systems.bench.gate_rates replay STORAGE --turns 2,3,5 --check median:5%        # real gates' evidence
 
-`simulate` runs the leaderboard's attention and a sub-millisecond point in turns as --benchmark-gate-against does
-(baseline and working tree back to back, alternating which goes first), each run its rounds after a warm-up, and
-decides with the gate's own statistics (systems.bench.verdicts). A slowdown is extra GPU time after each call
+`simulate` runs the leaderboard's attention and a sub-millisecond point in turns (baseline and working tree back to
+back in this process, alternating which goes first; the gate itself runs two processes passing a baton, which real
+gates measure: jobs/gpu_gate_rates.sh), each run its rounds after a warm-up, and decides with the gate's own
+statistics (systems.bench.verdicts). A slowdown is extra GPU time after each call
 (torch.cuda._sleep), calibrated to its share of the point's median. Both "trees" run in this process, each run on
 fresh inputs. `replay` decides again from the samples that real gates saved with their runs (GATE_RECORD), at
 fewer turns (the turns a shorter gate would have run, in its order) or another threshold.
