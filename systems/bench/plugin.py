@@ -1,5 +1,6 @@
 """systems-lab's pytest plugin: the benchmark grids' options, GPU markers and leases, the host shared between
-xdist workers, saved histories and the regression gate, out-of-memory records, and benchmarks under `-n`.
+xdist workers and the order of their work, saved histories and the regression gate (and the baton its runs pass),
+out-of-memory records, and benchmarks under `-n`.
 
 Installing the package registers it (a `pytest11` entry point), so any project's pytest has it; a checkout that
 is not installed loads it from its root conftest.py (`pytest_plugins`), and an inner pytest run with

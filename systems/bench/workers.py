@@ -5,7 +5,7 @@ pytest-benchmark switches itself off under xdist: parallel workers would disturb
 GPU host they do not, as long as each point holds its GPUs alone (systems.bench.leases): this plugin switches
 it back on in the workers, which then save nothing themselves, and hands their results to the controller
 through xdist's `workeroutput`. Without GPUs, `-n` with benchmarks is refused before any runs, unless
---benchmark-disable.
+--benchmark-disable. The controller also hands the work out in units, longest first (systems.bench.schedule).
 """
 
 from __future__ import annotations
@@ -62,7 +62,8 @@ class Worker:
 
 
 class Controller:
-    """The controller's side: refuse CPU timings in parallel; gather the workers' benchmarks in collection order."""
+    """The controller's side: refuse CPU timings in parallel; hand out units of work; gather the workers' benchmarks
+    in collection order."""
 
     def __init__(self, config, gpus: int):
         self.config, self.gpus = config, gpus
