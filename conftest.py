@@ -45,6 +45,15 @@ def exact_fp32_matmuls():
     torch.backends.cuda.matmul.allow_tf32 = previous
 
 
+try:
+    # Loaded before any test: pytester drops what a test imported when it ends, and matplotlib imported again in
+    # part holds two copies of its classes (a later figure refuses the other copy's GridSpec). The report, which
+    # imports it on first use, runs in-process inside tests that use pytester.
+    import matplotlib.pyplot  # noqa: F401
+except ImportError:  # the report's extra is not installed: its tests skip
+    pass
+
+
 @pytest.fixture(scope="session")
 def triton_loaded():
     """An inner run records triton's version, so load triton before `pytester` snapshots sys.modules.
