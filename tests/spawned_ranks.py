@@ -16,8 +16,7 @@ def results_by_rank(name: str, job: Callable[[], object], gloo_world_sizes: tupl
     """A fixture `name`: `job()`'s result on each rank, in rank order, once per process group; the gloo groups of
     `slow_gloo_world_sizes` in the slow tier."""
 
-    params = process_groups(gloo_world_sizes, nccl_world_sizes, slow_gloo_world_sizes,
-                            worker_group=f"{job.__module__}.{name}")
+    params = process_groups(gloo_world_sizes, nccl_world_sizes, slow_gloo_world_sizes, worker_group(job, name))
 
     @pytest.fixture(scope="module", params=params, name=name)
     def results(request) -> list:
@@ -25,6 +24,11 @@ def results_by_rank(name: str, job: Callable[[], object], gloo_world_sizes: tupl
         return launch(job, world_size, backend=backend, timeout=timeout)
 
     return results
+
+
+def worker_group(job: Callable[[], object], name: str) -> str:
+    """The xdist group of a results fixture's tests: its module and name (a process group's size is added)."""
+    return f"{job.__module__}.{name}"
 
 
 def process_groups(gloo_world_sizes: tuple[int, ...], nccl_world_sizes: tuple[int, ...],

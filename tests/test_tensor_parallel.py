@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_cases import SEED, STEPS, TRANSFORMER, batches, loss_of, rows
-from spawned_ranks import process_groups, results_by_rank
+from spawned_ranks import process_groups, results_by_rank, worker_group
 from systems.model import TransformerLM
 from systems.parallel import tensor as tensor_module
 from systems.parallel.fsdp import FSDP
@@ -201,7 +201,7 @@ def train_all() -> dict:
 
 
 WORLD_SIZES = (2, 4)  # under gloo and NCCL alike
-GROUPS = process_groups(WORLD_SIZES, WORLD_SIZES, worker_group=f"{__name__}.ranks")
+GROUPS = process_groups(WORLD_SIZES, WORLD_SIZES, worker_group=worker_group(train_all, "ranks"))
 ranks = results_by_rank("ranks", train_all, WORLD_SIZES, timeout=300, nccl_world_sizes=WORLD_SIZES)
 
 

@@ -22,15 +22,13 @@ class Baton:
 
     def __init__(self, read_fd: int, write_fd: int, first: bool):
         self.read_fd, self.write_fd = read_fd, write_fd
-        self.held, self.first, self.alone = False, first, False
+        self.first, self.alone = first, False
 
     def start(self) -> None:
         """Before the run's first test: both runs ready, then the first one holds the baton."""
         self._send(b"r")
         self.alone = self._receive() is None
-        if self.first:
-            self.held = True
-        else:
+        if not self.first:
             self._take()
 
     def pass_on(self) -> None:
@@ -41,8 +39,7 @@ class Baton:
         self._take()
 
     def _take(self) -> None:
-        self.held = self._receive() is not None
-        self.alone = not self.held
+        self.alone = self.alone or self._receive() is None
 
     def _send(self, byte: bytes) -> None:
         try:
