@@ -14,7 +14,10 @@ import pytest
 import torch
 from hypothesis import settings
 
+from systems.parallel.ranks import RankPools
+
 pytest_plugins = ["systems.bench.plugin", "pytester"]
+RANK_POOL_TIMEOUT = 900.0  # seconds a collective may wait in a shared rank; each job has its own deadline
 
 if not torch.cuda.is_available():
     # Triton kernels run on the CPU through its interpreter. Triton reads this when it defines a kernel, which
@@ -34,6 +37,13 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.ge
 def _seed(request):
     """Fresh random inputs per test, reproducible from the test's id."""
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(scope="session")
+def rank_pools():
+    """Spawned gloo ranks shared by the run's distributed tests (tests/spawned_ranks.py), closed at its end."""
+    with RankPools(timeout=RANK_POOL_TIMEOUT) as pools:
+        yield pools
 
 
 @pytest.fixture
@@ -75,5 +85,7 @@ def inner_pytest(triton_loaded, pytester, monkeypatch):
         monkeypatch.delenv(name, raising=False)
     root = os.path.dirname(os.path.abspath(__file__))
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("PYTEST_ADDOPTS", "-p systems.bench.plugin")  # as a project of a user's would load it
+    # The plugin as a project of a user's would load it; not Hypothesis's, which no inner project uses and whose
+    # import costs every inner process (each xdist worker too) about a second.
+    monkeypatch.setenv("PYTEST_ADDOPTS", "-p systems.bench.plugin -p no:hypothesispytest")
     return pytester

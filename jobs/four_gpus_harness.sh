@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
-# Issue "Many GPUs for real", on a 4-GPU host: the whole suite under -n 4 within 5 minutes (interrupted there).
-# jobs/four_gpus_grid.sh has the benchmark grid. Usage: bash jobs/four_gpus_harness.sh COMMIT   (logs under $OUT)
+# The suite on a 4-GPU host (README: Tests): the tiers TIERS (default: the default tier) under -n 4, RUNS times in
+# a row, each stopped after LIMIT seconds. The first run records each item's seconds in pytest's cache and the next
+# ones hand out the longest units first by them. jobs/four_gpus_grid.sh has the benchmark grid.
+# Usage: bash jobs/four_gpus_harness.sh COMMIT [RUNS] [TIERS] [LIMIT]   (logs and junit XML under $OUT)
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=. PYTHONUNBUFFERED=1 SYSTEMS_LAB_COMMIT=$1
-nvidia-smi -L | tee $OUT/gpus.txt
-start=$(date +%s)
-timeout -s INT -k 20 300 python -m pytest -n 4 tests/ -p no:cacheprovider -q -rs --durations=25 > $OUT/tests_n4.log 2>&1
-echo "tests -n 4: exit $?, $(( $(date +%s) - start )) s"
-grep -E "passed|failed|error" $OUT/tests_n4.log | tail -3
-grep -A6 "= GPU tests =" $OUT/tests_n4.log
-grep -E "^FAILED|^ERROR" $OUT/tests_n4.log | head -20
-
+RUNS=${2:-1} TIERS=${3:-default} LIMIT=${4:-300}
+nvidia-smi -L | tee -a $OUT/gpus.txt
+for run in $(seq "$RUNS"); do
+    name=tests_n4_${TIERS//,/-}_$run
+    start=$(date +%s)
+    timeout -s INT -k 20 "$LIMIT" python -m pytest -n 4 tests/ --tiers "$TIERS" -q -rs --durations=25 \
+        --junitxml="$OUT/$name.xml" > "$OUT/$name.log" 2>&1
+    echo "$name: exit $?, $(( $(date +%s) - start )) s: $(grep -E "passed|failed" "$OUT/$name.log" | tail -1)"
+    grep -E "^FAILED|^ERROR" "$OUT/$name.log" | head -20
+done
+python -m systems.bench.schedule -n 8 | tee $OUT/predicted_n8.txt

@@ -5,11 +5,11 @@ import itertools
 
 import torch
 from torch._C._profiler import _EventType
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from systems.accounting import model_state
 from systems.optim import AdamW
-from systems.step import forward_loss, make_model, random_batch, train_step
+from systems.step import backward, forward_loss, make_model, optimizer_step, random_batch, train_step
 
 
 def saved_tensor_bytes(model, tokens, targets, precision) -> int:
@@ -37,7 +37,15 @@ def _allocations(events):
 
 
 def cpu_peak_bytes(fn, leave_out: str | None = None) -> int:
-    """Peak of the bytes the CPU allocator holds in tensors while `fn` runs, above what it held before.
+    """Peak of the bytes the CPU allocator holds in tensors while `fn` runs, above what it held before (see
+    cpu_peaks)."""
+    return cpu_peaks(fn, (), leave_out)["whole"]
+
+
+def cpu_peaks(fn, scopes: tuple[str, ...], leave_out: str | None = None) -> dict[str, int]:
+    """Peaks of the bytes the CPU allocator holds in tensors while `fn` runs, above what it held before, from one
+    profiled run: "whole", and for each name in `scopes` the peak up to the end of the first `record_function`
+    scope of that name (e.g. a step's forward, without profiling a forward of its own).
 
     An op's workspace, memory it allocates and frees itself, directly or (an ATen op) through `aten::empty`,
     rather than through an op that computes something, is left out: the BLAS library and ATen's CPU flash
@@ -75,12 +83,31 @@ def cpu_peak_bytes(fn, leave_out: str | None = None) -> int:
             allocating_op, allocation = allocated_by.pop(ptr)
             if op is not None and op == allocating_op:
                 workspace |= {allocation, index}
-    held = peak = 0
+    ends = {name: _scope_end(prof, name) for name in scopes}
+    held, peaks = 0, dict.fromkeys(("whole", *scopes), 0)
     for index, (_, size, _) in enumerate(changes):
         if index not in workspace:
             held += size - unseen_frees.get(index, 0)
-            peak = max(peak, held)
-    return peak
+            for name in peaks:
+                if name == "whole" or events[index].start_time_ns <= ends[name]:
+                    peaks[name] = max(peaks[name], held)
+    return peaks
+
+
+def _scope_end(prof, name: str) -> int:
+    def find(events):
+        for event in events:
+            if event.name == name:
+                return event
+            found = find(event.children)
+            if found is not None:
+                return found
+        return None
+
+    scope = find(prof.profiler.kineto_results.experimental_event_tree())
+    if scope is None:
+        raise ValueError(f"no record_function scope {name!r} ran in the profiled function")
+    return scope.end_time_ns
 
 
 def _owner(event) -> int | None:
@@ -106,24 +133,29 @@ def _inside(event, scope: str) -> bool:
 
 
 def training_peaks(config, batch_size: int, seq: int, precision) -> dict[str, int]:
-    """Allocation peaks of a fresh CPU model: forward (and under no_grad), forward+backward, and an AdamW step
-    once its state exists, each counting the tensors already resident, as systems.accounting.peak_memory does."""
+    """Allocation peaks of a fresh CPU model once AdamW's state exists, each counting the tensors already resident,
+    as systems.accounting.peak_memory does: a forward under no_grad ("inference"), and from one profiled training
+    step its forward, forward and backward, and whole step."""
     cpu = torch.device("cpu")
     model = make_model(config, cpu, precision)
     optimizer = AdamW(model.parameters())
     tokens, targets = random_batch(config, batch_size, seq, cpu)
+
+    def step():
+        with record_function("forward"):
+            loss = forward_loss(model, tokens, targets, precision)
+        with record_function("backward"):
+            backward(loss)
+        optimizer_step(optimizer)  # drops the gradients: the next step starts as the first did
+
+    step()  # allocates the optimizer state
     state = model_state(config, precision)
     resident = state.params + state.buffers  # already allocated when measuring starts
-    peaks = {"forward": resident + cpu_peak_bytes(lambda: forward_loss(model, tokens, targets, precision))}
     with torch.no_grad():
-        peaks["inference"] = resident + cpu_peak_bytes(lambda: forward_loss(model, tokens, targets, precision))
-    peaks["forward_backward"] = resident + cpu_peak_bytes(
-        lambda: forward_loss(model, tokens, targets, precision).backward())
-    model.zero_grad(set_to_none=True)
-    train_step(model, optimizer, tokens, targets, precision)  # allocates the optimizer state
-    peaks["train_step"] = state.training + cpu_peak_bytes(
-        lambda: train_step(model, optimizer, tokens, targets, precision))
-    return peaks
+        inference = cpu_peak_bytes(lambda: forward_loss(model, tokens, targets, precision))
+    peaks = cpu_peaks(step, ("forward", "backward"))
+    return {"forward": resident + peaks["forward"], "inference": resident + inference,
+            "forward_backward": resident + peaks["backward"], "train_step": state.training + peaks["whole"]}
 
 
 def cuda_phase_peak(model, optimizer, tokens, targets, precision, phase: str) -> tuple[int, int]:

@@ -5,10 +5,11 @@ import math
 
 import pytest
 import torch
+from torch.profiler import record_function
 from torch.utils.flop_counter import FlopCounterMode
 
 from covering import pairwise
-from memory_probes import cpu_peak_bytes, cuda_phase_peak, saved_tensor_bytes, training_peaks
+from memory_probes import cpu_peak_bytes, cpu_peaks, cuda_phase_peak, saved_tensor_bytes, training_peaks
 from systems.accounting import (GB, TPU_V5P_BYTES, TPU_V5P_FLOPS, TPU_V5P_ICI_BANDWIDTH, XXL, BucketedAllReduce,
                                 FFNStack, activation_memory, count_matmul_parameters, count_parameters,
                                 devices_to_hold, flops, fsdp_tp_compute_bound_batch, model_state,
@@ -166,6 +167,22 @@ def test_cpu_peak_bytes_counts_tensors_and_leaves_out_workspace():
     assert cpu_peak_bytes(lambda: (a @ b) @ b) == 2 * a.nbytes
     # log_softmax casts its input to fp32 first and frees that copy before it returns.
     assert cpu_peak_bytes(lambda: torch.log_softmax(a, dim=-1, dtype=torch.float32)) == 4 * a.nbytes
+
+
+def test_cpu_peaks_up_to_the_end_of_a_scope():
+    """A scope's peak is the most held until it ends, where a later tensor and one freed inside it do not count."""
+    a = torch.randn(256, 256)
+
+    def fn():
+        with record_function("first"):
+            doubled = a * 2
+            scratch = a + 1  # freed inside the scope: counts while it lives, beside `doubled`
+            del scratch
+        return torch.cat([doubled, doubled, doubled])
+
+    peaks = cpu_peaks(fn, ("first",))
+    assert peaks["whole"] == 4 * a.nbytes
+    assert peaks["first"] == pytest.approx(2 * a.nbytes, abs=64)  # and the scope's own handle, a few bytes
 
 
 @pytest.mark.parametrize("threads", [1, 3, 32])

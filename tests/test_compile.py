@@ -3,11 +3,11 @@ our FSDP and under activation checkpointing: the same losses and gradients as ea
 reordered fp32 sums allow, and compiled once: no graph break or recompilation after the first step, and graph
 breaks only at FSDP's hooks, which run eagerly between a block's graphs.
 
-One spawn of 2 gloo ranks runs every case (without checkpointing, every block checkpointed, and that with the
-fused Triton kernels inside the compiled blocks): each rank runs the eager model in float64 (the reference,
-without the kernels, which compute in fp32), the eager model in fp32 and the compiled one, on the same rank
-batches, and reports each step's loss and the gradients of its shards and replicated parameters, and Dynamo's
-counters after each step.
+One spawn of 2 gloo ranks runs the selected cases (by default every block checkpointed, where a bug of either
+shows; without checkpointing, and with the fused Triton kernels inside the compiled blocks, in the slow tier):
+each rank runs the eager model in float64 (the reference, without the kernels, which compute in fp32), the eager
+model in fp32 and the compiled one, on the same rank batches, and reports each step's loss and the gradients of
+its shards and replicated parameters, and Dynamo's counters after each step.
 """
 
 from __future__ import annotations
@@ -63,11 +63,12 @@ def fused_kernels_run_here() -> bool:
     return rank_device().type == "cuda" or kernels_interpreted()
 
 
-def run_all() -> dict:
+def run_all(selected: frozenset[str]) -> dict:
     return {name: {"float64": run(levels, "none", False, torch.float64),
                    "eager": run(levels, fused, False, torch.float32),
                    "compiled": run(levels, fused, True, torch.float32)}
-            for name, (levels, fused) in CASES.items() if fused == "none" or fused_kernels_run_here()}
+            for name, (levels, fused) in CASES.items()
+            if name in selected and (fused == "none" or fused_kernels_run_here())}
 
 
 def runs_of(ranks: list, case: str) -> list:
@@ -76,10 +77,11 @@ def runs_of(ranks: list, case: str) -> list:
     return [rank[case] for rank in ranks]
 
 
-ranks = results_by_rank("ranks", run_all, gloo_world_sizes=(2,), timeout=900)
+ranks = results_by_rank("ranks", run_all, gloo_world_sizes=(2,), timeout=900, selects="case")
+CASE_PARAMS = [pytest.param(name, marks=[] if name == "every1" else [pytest.mark.slow]) for name in CASES]
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASE_PARAMS)
 def test_compiled_blocks_match_eager(ranks, case):
     """Each step's loss and every gradient on every rank against float64, within tests/plain_error.py's rule of
     eager fp32's error: the compiled graphs compute the same function with other orders of the same fp32 sums,
@@ -90,7 +92,7 @@ def test_compiled_blocks_match_eager(ranks, case):
                              [exact["loss"], *exact["grads"]], f"step {step}, ")
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASE_PARAMS)
 def test_blocks_compile_once_breaking_only_at_fsdps_hooks(ranks, case):
     """The first step compiles (identical blocks share the graphs); later steps and the recomputations run what it
     compiled, with no new graph, graph break or recompilation. Every graph break is at a hook FSDP runs eagerly

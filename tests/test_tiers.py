@@ -1,13 +1,18 @@
 """Test tiers: the default run leaves out the items of every tier and says so, --tiers picks tiers by name (a bad
 one is a usage error), under xdist an item of the timing tier runs with no other item beside it, and the covering
-arrays that stand for a grid in the default tier meet every pair of values."""
+arrays that stand for a grid in the default tier meet every pair of values; CI runs every tier once."""
 
 import itertools
 import json
+import shlex
+from pathlib import Path
 
 import pytest
 
 from covering import pairwise
+from systems.bench.tiers import DEFAULT, TIERS
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TIERED = """
 import pytest
@@ -96,3 +101,37 @@ def test_the_covering_array_meets_every_pair_of_values_and_is_small():
         for a, b in itertools.product(first, second):
             assert any(case[i] == a and case[j] == b for case in cases), (i, a, j, b)
     assert len(cases) <= 14 < len(list(itertools.product(*dimensions)))
+
+
+SELECTED_CASES = """
+import pytest
+from spawned_ranks import selected_values
+
+@pytest.fixture(scope="module")
+def ranks(request):
+    return selected_values(request, "ranks", "case")
+
+@pytest.mark.parametrize("case", ["a", "b", pytest.param("c", marks=pytest.mark.slow)])
+def test_case(ranks, case):
+    assert ranks == {"a"}
+
+def test_other(ranks):
+    assert ranks == {"a"}
+"""
+
+
+def test_a_spawned_job_runs_the_cases_that_are_selected_only(inner_pytest):
+    """results_by_rank(selects=...) hands the job the cases left after -k and the tiers, so neither is paid for."""
+    inner_pytest.makepyfile(test_cases=SELECTED_CASES)
+    inner_pytest.runpytest_inprocess("-p", "no:cacheprovider", "-k", "not b").assert_outcomes(passed=2, deselected=2)
+
+
+def test_ci_runs_every_tier_exactly_once():
+    """.ci/run's pytest commands over tests/: together every tier, none twice (the default tier is README's)."""
+    runs = []
+    for line in (ROOT / ".ci" / "run").read_text().splitlines():
+        words = shlex.split(line) if line.startswith("pytest ") else []
+        if "tests/" in words:
+            given = words[words.index("--tiers") + 1] if "--tiers" in words else DEFAULT
+            runs.append({DEFAULT, *TIERS} if given == "all" else set(given.split(",")))
+    assert sorted(tier for run in runs for tier in run) == sorted({DEFAULT, *TIERS})

@@ -136,14 +136,15 @@ class RankPools:
         self.timeout = timeout
         self._pools: dict[tuple[int, str, str | None], RankPool] = {}
 
-    def run(self, world_size: int, backend: str, fn: Callable, *args) -> list:
+    def run(self, world_size: int, backend: str, fn: Callable, *args, timeout: float | None = None) -> list:
+        """`fn(*args)` on every rank of the pool for (world_size, backend); `timeout` overrides the pools'."""
         key = (world_size, backend, os.environ.get("CUDA_VISIBLE_DEVICES"))
         for other in [other for other in self._pools if other[2] != key[2]]:
             self._pools.pop(other).close()
         pool = self._pools.get(key)
         if pool is None or pool.closed:
             pool = self._pools[key] = RankPool(world_size, backend=backend, timeout=self.timeout)
-        return pool.run(fn, *args)
+        return pool.run(fn, *args, timeout=timeout)
 
     def close(self) -> None:
         for pool in self._pools.values():
