@@ -61,9 +61,10 @@ def test_a_worker_gets_its_share_of_threads_and_gpus_before_torch_starts(monkeyp
     monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3,4,5,6,7")
     monkeypatch.setenv("OMP_NUM_THREADS", "64")  # a parent's budget: this worker's share of it
-    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)  # restored after: it is set below
+    for name in ("MKL_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS"):
+        monkeypatch.delenv(name, raising=False)  # restored after: they are set below
     leases.share_host_with_other_workers()
-    assert os.environ["OMP_NUM_THREADS"] == os.environ["MKL_NUM_THREADS"] == "16"
+    assert [os.environ[name] for name in leases.THREAD_BUDGETS] == ["16", "16", "16"]
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3,4,5,6,7,0,1"
 
 

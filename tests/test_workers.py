@@ -38,25 +38,28 @@ THREADS = """
 import json, os, torch
 from systems.parallel.ranks import launch
 
-def rank_threads():
-    return torch.get_num_threads()
+def threads():
+    from torch._inductor.config import compile_threads
+    return torch.get_num_threads(), compile_threads
 
 def test_threads():
-    record = dict(worker=torch.get_num_threads(), omp=os.environ["OMP_NUM_THREADS"], ranks=launch(rank_threads, 2))
+    record = dict(worker=threads(), omp=os.environ["OMP_NUM_THREADS"], ranks=launch(threads, 2))
     with open(os.environ["PYTEST_XDIST_WORKER"] + ".json", "w") as file:
         json.dump(record, file)
 """
 
 
 def test_workers_and_their_ranks_use_their_share_of_the_cores(inner_pytest):
-    """Two workers each get half the cores this test has, and a two-rank group a worker spawns half of that."""
+    """Two workers each get half the cores this test has, and a two-rank group a worker spawns half of that: as
+    threads and as Inductor compile workers."""
     inner_pytest.makepyfile(test_threads=THREADS)
     ran = inner_pytest.runpytest_subprocess("-n", "2", "--dist", "each", "-p", "no:cacheprovider")
     ran.assert_outcomes(passed=2)
     share = thread_share(available_cores(), 2)
     for worker in ("gw0", "gw1"):
         record = json.loads((inner_pytest.path / f"{worker}.json").read_text())
-        assert record == {"worker": share, "omp": str(share), "ranks": [max(1, share // 2)] * 2}
+        ranks = max(1, share // 2)
+        assert record == {"worker": [share, share], "omp": str(share), "ranks": [[ranks, ranks]] * 2}
 
 
 CPU_BENCH = """

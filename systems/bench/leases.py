@@ -1,10 +1,11 @@
 """Sharing one host between pytest-xdist workers: each worker's GPUs and cores, and GPU leases.
 
 `pytest -n N` on a host of G GPUs and C cores:
-- Threads: every worker runs torch with C // N threads (at least one), set before torch starts its pools; the
-  ranks a test spawns divide their worker's share again (systems.parallel.ranks), and an inner pytest run
-  inherits it through OMP_NUM_THREADS. Without this each of them would run as many threads as the host has
-  cores, N times over.
+- Threads: every worker runs torch with C // N threads (at least one), and as many Inductor compile workers,
+  set before torch starts its pools; the ranks a test spawns divide their worker's share again
+  (systems.parallel.ranks), and an inner pytest run inherits it through OMP_NUM_THREADS. Without this each of
+  them would run as many threads as the host has cores, N times over, and start a pool of up to 32 compile
+  processes on its first torch.compile.
 - GPUs: worker w sees every GPU, its home GPU first (`worker_gpus`), so code that uses cuda:0 runs on its home.
 - Leases: an item that runs on GPUs holds them alone while it runs, one lock file per GPU: one GPU (its
   home) for a test that uses the `device` fixture or is marked `gpu`, n GPUs from its home on for one marked
@@ -27,6 +28,8 @@ from pathlib import Path
 import pytest
 
 VISIBLE = "CUDA_VISIBLE_DEVICES"
+# What a process's share of the cores sizes: torch's OpenMP and MKL threads, and Inductor's compile workers.
+THREAD_BUDGETS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")
 
 
 def available_cores() -> int:
@@ -70,7 +73,7 @@ def share_host_with_other_workers() -> None:
         return
     workers = int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
     threads = str(thread_share(available_cores(), workers))
-    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+    for name in THREAD_BUDGETS:
         os.environ[name] = threads
     gpus = worker_gpus(int(worker.removeprefix("gw")), workers, visible_gpus())
     if gpus:

@@ -205,9 +205,10 @@ def _serve(rank, world_size, backend, store_path, timeout, threads, jobs, result
     faulthandler.register(signal.SIGUSR1)  # the parent asks a hung rank where it is stuck
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on the lent machines
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all ranks live on this host
-    # The ranks share their parent's cores, as torchrun's OMP_NUM_THREADS does; so do their children.
+    # The ranks share their parent's cores, as torchrun's OMP_NUM_THREADS does; so do their children and their
+    # Inductor compile workers (else a pool of up to 32 processes each, on the first torch.compile).
     torch.set_num_threads(threads)
-    os.environ["OMP_NUM_THREADS"] = str(threads)
+    os.environ["OMP_NUM_THREADS"] = os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)
     try:
         _init_group(backend, rank, timeout, store=dist.FileStore(store_path, world_size),
                     rank=rank, world_size=world_size)
