@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 import torch
@@ -82,10 +83,26 @@ def test_a_faulty_rank_fails_the_call_promptly_by_name_and_leaves_no_process(tmp
     assert "rank 0" not in str(raised.value)
 
 
+def change_process_settings() -> None:
+    warnings.simplefilter("error")
+    torch.use_deterministic_algorithms(True)
+    torch.set_default_dtype(torch.float64)
+
+
+def process_settings() -> tuple:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.warn("a warning")
+    return len(caught), torch.are_deterministic_algorithms_enabled(), torch.get_default_dtype()
+
+
 def test_pools_run_jobs_in_the_same_ranks_and_start_afresh_after_a_failure(tmp_path):
+    """A pool's jobs share its ranks, but not the process-wide settings a job changes."""
     with RankPools(timeout=120) as pools:
         first = pools.run(2, "gloo", rank_and_pid)
         assert pools.run(2, "gloo", sum_of_ranks, 10.0) == [(0, 30.0, 2), (1, 30.0, 2)]
+        fresh_settings = pools.run(2, "gloo", process_settings)
+        pools.run(2, "gloo", change_process_settings)
+        assert pools.run(2, "gloo", process_settings) == fresh_settings == [(1, False, torch.float32)] * 2
         assert pools.run(2, "gloo", rank_and_pid) == first
         with pytest.raises(RankFailed, match="rank 1 failed: ValueError: bad input on rank 1"):
             pools.run(2, "gloo", misbehave, "raise", False, str(tmp_path))

@@ -12,6 +12,7 @@ training code goes to several nodes unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import faulthandler
 import gc
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from datetime import timedelta
 
@@ -217,8 +219,9 @@ def _serve(rank, world_size, backend, store_path, timeout, threads, jobs, result
         return
     while (job := jobs.get()) is not None:
         try:
-            fn, args = pickle.loads(job)
-            outcome = ("ok", pickle.dumps(fn(*args)))
+            with _as_a_fresh_rank():
+                fn, args = pickle.loads(job)
+                outcome = ("ok", pickle.dumps(fn(*args)))
         except torch.OutOfMemoryError:
             outcome = ("oom", traceback.format_exc())
         except BaseException:
@@ -227,6 +230,22 @@ def _serve(rank, world_size, backend, store_path, timeout, threads, jobs, result
         gc.collect()  # the next job starts from an empty GPU
         torch.cuda.empty_cache()
     dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _as_a_fresh_rank():
+    """A job's process-wide settings end with it (warning filters, deterministic algorithms, the default dtype, grad
+    mode), so that the next job of a pool starts as it would on a fresh rank."""
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    dtype, grad = torch.get_default_dtype(), torch.is_grad_enabled()
+    try:
+        with warnings.catch_warnings():
+            yield
+    finally:
+        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        torch.set_default_dtype(dtype)
+        torch.set_grad_enabled(grad)
 
 
 def die_with_parent() -> None:
