@@ -9,9 +9,8 @@ import itertools
 
 import pytest
 import torch
-from torch.profiler import record_function
 
-from memory_probes import cpu_peaks
+from memory_probes import cpu_peak_bytes
 from spawned_ranks import results_by_rank
 from systems.accounting import Checkpointing, checkpointed, fsdp_memory
 from systems.model import get_config
@@ -81,19 +80,20 @@ def measure_run(precision_name: str, scheme: str, chunk: int | None, prefetch: i
     optimizer = AdamW(wrapped.parameters())
     tokens, targets = random_batch(config, MEMORY_ROWS, MEMORY_SEQ, torch.device("cpu"))
 
+    def forward():
+        return forward_loss(wrapped, tokens, targets, precision)
+
     def step():
-        with record_function("forward"):
-            loss = forward_loss(wrapped, tokens, targets, precision)
-        loss.backward()
+        forward().backward()
         wrapped.finish_gradient_synchronization()
         optimizer_step(optimizer)
 
     step()  # allocates the optimizer state
     state = sum(t.nbytes for t in itertools.chain(wrapped.parameters(), wrapped.buffers()))
     state += sum(t.nbytes for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim())
-    steps = [cpu_peaks(step, ("forward",), "gloo:") for _ in range(STEPS_MEASURED)]
-    return {"forward": state + min(peaks["forward"] for peaks in steps),
-            "step": state + min(peaks["whole"] for peaks in steps), "gathered": wrapped.gathered.peak}
+    return {"forward": state + min(cpu_peak_bytes(forward, "gloo:") for _ in range(STEPS_MEASURED)),
+            "step": state + min(cpu_peak_bytes(step, "gloo:") for _ in range(STEPS_MEASURED)),
+            "gathered": wrapped.gathered.peak}
 
 
 # Three ranks shard every weight unevenly; two (evenly) in the slow tier.
