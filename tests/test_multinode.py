@@ -47,7 +47,7 @@ from systems.bench.leases import visible_gpus
 from systems.model import get_config
 from systems.parallel.mesh import Layout
 from systems.parallel.parallelize import full_parameters
-from systems.parallel.ranks import RankPool
+from systems.parallel.ranks import RankPool, _fail_on_dead_peers
 from systems.parallel.spec import TrainSpec
 from systems.parallel.train import train
 
@@ -336,7 +336,7 @@ def test_a_node_that_dies_mid_run_fails_the_job_promptly_naming_rank_and_node(cl
     elif backend == "gloo":  # its ranks see their peers' connections close and name themselves
         assert sorted(int(local) for _, _, local, _ in failures) == [0, 1], output[-3000:]
         assert all("Connection closed by peer" in cause or "Connection reset" in cause for *_, cause in failures)
-    else:  # NCCL's watchdog aborts a rank stuck in a collective at the timeout: torchrun's summary names it
+    else:  # a rank stuck in an NCCL collective is aborted (init_from_env): torchrun's summary names it
         assert re.search(r"rank\s*: \d \(local_rank: \d\)", output), output[-3000:]
 
 
@@ -350,3 +350,18 @@ def test_a_node_that_never_arrives_fails_the_rendezvous_promptly(cluster_of):
     assert code != 0 and "RendezvousTimeoutError" in node.output(), node.output()[-3000:]
     assert "ranks on" not in node.output()  # no rank ever started
     cluster.assert_nothing_left()
+
+
+def test_nccl_ranks_are_set_to_end_when_a_peer_dies(monkeypatch):
+    """NCCL's own defaults leave a rank whose peer died running for minutes (docs/multinode.md): init_from_env
+    sets the heartbeat to the group's timeout, connections and communicators to be made under it, and keeps a
+    user's own settings."""
+    names = ("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", "NCCL_RUNTIME_CONNECT", "TORCH_NCCL_USE_COMM_NONBLOCKING")
+    for name in names:
+        monkeypatch.delenv(name, raising=False)
+    _fail_on_dead_peers(12.5)
+    assert [os.environ[name] for name in names] == ["13", "0", "1"]
+    for name, own in zip(names, ("99", "1", "0")):
+        monkeypatch.setenv(name, own)
+    _fail_on_dead_peers(20)
+    assert [os.environ[name] for name in names] == ["99", "1", "0"]

@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import faulthandler
 import gc
+import math
 import multiprocessing
 import os
 import pickle
@@ -168,7 +169,21 @@ def init_from_env(backend: str, timeout: float = 600.0) -> None:
     _check_backend(backend)
     die_with_parent()
     faulthandler.enable()
+    if backend == "nccl":
+        _fail_on_dead_peers(timeout)
     _init_group(backend, int(os.environ["LOCAL_RANK"]), timeout)
+
+
+def _fail_on_dead_peers(timeout: float) -> None:
+    """Let NCCL's timeout end a rank whose peer died (a user's own settings win). The watchdog notices a
+    collective's timeout but can stall preparing its debug dump, so the heartbeat monitor, which aborts a rank
+    whose watchdog stalls, waits the timeout instead of its default minutes. NCCL's blocking set-up of a
+    communicator (a subgroup's, or its connections, by default made at its first collective) waits for a dead
+    peer outside the watchdog's view: communicators are set up without blocking, connections when the group
+    starts. docs/multinode.md has the measurements."""
+    os.environ.setdefault("TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC", str(math.ceil(timeout)))
+    os.environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
+    os.environ.setdefault("TORCH_NCCL_USE_COMM_NONBLOCKING", "1")
 
 
 def rank_device() -> torch.device:
