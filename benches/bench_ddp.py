@@ -22,7 +22,7 @@ from systems.bench.options import grid_of, points_or_usage_error
 from systems.bench.schema import DDP_VARIANTS, DDPMeasured, DDPPoint, OptimizerMeasured, OptimizerPoint
 from systems.bench.timing import record_measured, record_point
 from systems.bench.training import memory_mb, on_rank_gpus, phases, spec_for, train_in_ranks, training_measured
-from systems.parallel.spec import Optimizer, Variant
+from systems.levers.variant import Optimizer, Variant
 
 TORCH_DDP_BUCKET_MB = 25.0  # torch's default bucket_cap_mb
 SHARDED_BUCKET_MB = 25.0  # the sharded-optimizer points all train with DDPBucketed at this size

@@ -26,7 +26,7 @@ from systems.bench.schema import FSDP_VARIANTS, FSDPMeasured, FSDPPoint
 from systems.bench.timing import record_measured, record_point
 from systems.bench.training import (breakdowns, gathered_mb, on_rank_gpus, predicted_peak_mb, spec_for,
                                     step_breakdown, train_in_ranks, training_measured)
-from systems.parallel.spec import Variant
+from systems.levers.variant import Variant
 
 DDP_BUCKET_MB = 100.0
 

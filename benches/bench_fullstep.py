@@ -44,7 +44,8 @@ from systems.bench.timing import record_measured, record_point, seconds_since_pr
 from systems.bench.training import (breakdowns, gathered_mb, on_rank_gpus, predicted_peak_mb, spec_for,
                                     step_breakdown, train_in_ranks, training_measured)
 from systems.leaderboard import agreed_step_ms
-from systems.parallel.spec import TrainSpec, Variant
+from systems.levers.variant import Variant
+from systems.parallel.spec import TrainSpec
 
 # do_bench runs as many steps as fit in its time budgets, as each rank measures them; every rank must run the
 # same number (a step is collectives), so the budgets sit halfway between step counts of the agreed step time.

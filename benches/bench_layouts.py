@@ -22,8 +22,8 @@ from systems.bench.options import grid_of
 from systems.bench.schema import LAYOUT_BUCKET_MB, AxisComm, LayoutMeasured, LayoutPoint
 from systems.bench.timing import record_measured, record_point
 from systems.bench.training import on_rank_gpus, spec_for, train_in_ranks, training_measured
-from systems.parallel.mesh import Layout
-from systems.parallel.spec import Variant
+from systems.levers.layout import Layout
+from systems.levers.variant import Variant
 
 AXIS_ROUNDS = 5
 

@@ -31,8 +31,9 @@ from systems.bench.timing import record_measured, record_point, record_timings, 
 from systems.bench.training import BACKEND, on_rank_gpus
 from systems.leaderboard import (CPU_REP_MS, CPU_WARMUP_MS, HANDOUT_REP_MS, HANDOUT_WARMUP_MS, Reference,
                                  run_leaderboard)
+from systems.levers.variant import Variant
 from systems.model import get_config
-from systems.parallel.spec import TrainSpec, Variant
+from systems.parallel.spec import TrainSpec
 
 REFERENCE = Reference()
 

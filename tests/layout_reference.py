@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from systems.parallel.mesh import Layout
+from systems.levers.layout import Layout
 from systems.parallel.spec import TrainSpec
 from systems.parallel.train import Rank, build_optimizer, rank_batches
 from systems.precision import PRECISIONS

@@ -9,8 +9,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from memory_probes import cpu_peak_bytes, saved_tensor_bytes, training_peaks
-from systems.accounting import (Checkpointing, Flops, activation_memory, checkpointed, largest_context,
-                                model_state, nested_checkpoint, peak_memory, recomputed_flops)
+from systems.accounting import (Flops, activation_memory, checkpointed, largest_context, model_state, nested_checkpoint,
+                                peak_memory, recomputed_flops)
+from systems.levers.checkpointing import Checkpointing
 from systems.loss import cross_entropy
 from systems.model import TransformerConfig, TransformerLM, get_config
 from systems.precision import PRECISIONS

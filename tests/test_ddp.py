@@ -27,8 +27,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from spawned_ranks import results_by_rank
+from systems.levers.buckets import fill_buckets
 from systems.optim import AdamW, ShardedOptimizer
-from systems.parallel.ddp import DDPBucketed, fill_buckets, make_ddp
+from systems.parallel.ddp import DDPBucketed, make_ddp
 from systems.parallel.ranks import rank_device
 from systems.precision import get_precision
 

@@ -37,11 +37,11 @@ from fsdp_cases import (MODELS, PREFETCHES, ROWS_PER_RANK, SEED, SEQ, STEPS, TRA
 from layout_reference import layout_mean
 from spawned_ranks import results_by_rank
 from systems.accounting import fsdp_memory
-from systems.optim import AdamW
+from systems.levers.layout import Layout
 from systems.model import get_config
+from systems.optim import AdamW
 from systems.parallel.fsdp import FSDP, fsdp_gather_full_params, fsdp_on_after_backward, get_fsdp
 from systems.parallel.fsdp_units import linear_or_embedding
-from systems.parallel.mesh import Layout
 from systems.parallel.ranks import rank_device
 from systems.parallel.spec import TrainSpec
 from systems.precision import PRECISIONS

@@ -12,7 +12,8 @@ import torch
 
 from memory_probes import cpu_peak_bytes
 from spawned_ranks import results_by_rank
-from systems.accounting import Checkpointing, checkpointed, fsdp_memory
+from systems.accounting import checkpointed, fsdp_memory
+from systems.levers.checkpointing import Checkpointing
 from systems.model import get_config
 from systems.optim import AdamW
 from systems.parallel.fsdp import FSDP

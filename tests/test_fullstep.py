@@ -25,7 +25,7 @@ import torch.distributed as dist
 from layout_reference import assert_trained_alike, train_one_process
 from spawned_ranks import results_by_rank
 from systems.accounting import recomputed_blocks
-from systems.parallel.mesh import Layout
+from systems.levers.layout import Layout
 from systems.parallel.ranks import rank_device
 from systems.parallel.spec import TrainSpec
 from systems.parallel.train import train

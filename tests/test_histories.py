@@ -11,13 +11,13 @@ import pytest
 
 from histories import allreduce_measured, config, entry, phases, rate, save_run, step_breakdown
 from systems.bench import migrate
-from systems.accounting import Checkpointing
 from systems.bench.schema import (KINDS, MEASURED, POINT, SCHEMA, AllReducePoint, CheckpointPoint, DDPMeasured,
                                   DDPPoint, FSDPMeasured, FSDPPoint, LeaderboardPoint, ModelMeasured, ModelPoint, Point,
                                   SchemaError, read_measured, read_point, to_record)
+from systems.levers.checkpointing import Checkpointing
+from systems.levers.sharding import Gather
+from systems.levers.variant import Variant
 from systems.model import Attention, Fused
-from systems.parallel.fsdp_units import Gather
-from systems.parallel.spec import Variant
 from systems.precision import PRECISIONS
 from systems.report import main
 from systems.report.runs import load_run

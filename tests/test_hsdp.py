@@ -38,11 +38,12 @@ from layout_reference import layout_mean
 from spawned_ranks import results_by_rank
 from systems.accounting import fsdp_memory, hsdp_memory, hsdp_traffic
 from systems.accounting.traffic import all_reduce_bytes, gather_bytes
+from systems.levers.layout import Layout
 from systems.model import TransformerLM
 from systems.optim import AdamW
 from systems.parallel import fsdp as fsdp_module
 from systems.parallel.fsdp import FSDP
-from systems.parallel.mesh import Layout, Mesh, TorchHSDP
+from systems.parallel.mesh import Mesh, TorchHSDP
 from systems.parallel.ranks import rank_device
 from systems.precision import PRECISIONS
 

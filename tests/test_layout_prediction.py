@@ -16,8 +16,8 @@ from systems.accounting import count_parameters
 from systems.accounting.layouts import (Cluster, Compute, Links, LayoutStep, fastest, link_of, predict_layouts,
                                         strategy_layout)
 from systems.accounting.traffic import ddp_collectives
+from systems.levers.layout import Layout
 from systems.model import get_config
-from systems.parallel.mesh import Layout
 from systems.precision import PRECISIONS
 
 MODEL = get_config("tiny", vocab_size=100, d_model=8, num_heads=2, d_ff=16, num_layers=1, context_length=16)

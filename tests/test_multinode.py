@@ -44,8 +44,8 @@ import torch
 
 from layout_reference import assert_trained_alike, train_one_process
 from systems.bench.leases import visible_gpus
+from systems.levers.layout import Layout
 from systems.model import get_config
-from systems.parallel.mesh import Layout
 from systems.parallel.parallelize import full_parameters
 from systems.parallel.ranks import RankPool, _fail_on_dead_peers
 from systems.parallel.spec import TrainSpec

@@ -9,12 +9,12 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from systems.accounting import Checkpointing
 from systems.attention import BENCHED_BACKENDS
+from systems.levers.checkpointing import Checkpointing
+from systems.levers.layout import Layout
+from systems.levers.sharding import Gather
+from systems.levers.variant import Variant
 from systems.model import EDITIONS, Attention, Fused
-from systems.parallel.fsdp_units import Gather
-from systems.parallel.mesh import Layout
-from systems.parallel.spec import Variant
 from systems.precision import PRECISIONS
 
 NOTHING = "def test_nothing(): pass"

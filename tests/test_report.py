@@ -7,14 +7,15 @@ import matplotlib.image
 import pytest
 
 from histories import MACHINE, allreduce_measured, config, entry, phases, rate, save_run, step_breakdown
-from systems.accounting import BucketedAllReduce, Checkpointing, count_parameters, peak_memory
+from systems.accounting import BucketedAllReduce, count_parameters, peak_memory
 from systems.bench.schema import (AllReducePoint, AttentionMeasured, AttentionPoint, CheckpointMeasured,
                                   CheckpointPoint, DDPMeasured, DDPPoint, FSDPMeasured, FSDPPoint, FullStepMeasured,
                                   FullStepPoint, ModelMeasured, ModelPoint, OptimizerMeasured, OptimizerPoint,
                                   WarmupMeasured, WarmupPoint)
+from systems.levers.checkpointing import Checkpointing
+from systems.levers.sharding import Gather
+from systems.levers.variant import Optimizer, Variant
 from systems.model import get_config
-from systems.parallel.fsdp_units import Gather
-from systems.parallel.spec import Optimizer, Variant
 from systems.precision import PRECISIONS
 from systems.report import main
 

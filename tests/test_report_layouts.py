@@ -7,8 +7,8 @@ from histories import config, entry, phases, rate, save_run
 from systems.accounting.layouts import Cluster, Compute, Links, fastest, predict_layouts
 from systems.bench.schema import LAYOUT_BUCKET_MB, AxisComm, LayoutMeasured, LayoutPoint
 from systems.model import get_config
-from systems.parallel.mesh import Layout
-from systems.parallel.spec import Variant
+from systems.levers.layout import Layout
+from systems.levers.variant import Variant
 from systems.precision import PRECISIONS
 from test_report import columns_and_rows, report
 

@@ -13,9 +13,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from memory_probes import saved_tensor_bytes, training_peaks
 from spawned_ranks import results_by_rank
 from test_checkpointing import BLOCK_BOUND, CPU, linear_calls, loss_and_grads
-from systems.accounting import (Checkpointing, activation_memory, checkpointed, kept_weight_copies,
-                                nested_checkpoint, peak_memory, recomputed_flops)
+from systems.accounting import (activation_memory, checkpointed, kept_weight_copies, nested_checkpoint, peak_memory,
+                                recomputed_flops)
 from systems.accounting.checkpointing import held_in_backward
+from systems.levers.checkpointing import Checkpointing
 from systems.loss import cross_entropy
 from systems.model import Fused, TransformerConfig, TransformerLM, get_config
 from systems.parallel.fsdp import FSDP

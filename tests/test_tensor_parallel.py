@@ -32,10 +32,11 @@ import torch.distributed as dist
 
 from fsdp_cases import SEED, STEPS, TRANSFORMER, batches, loss_of, rows
 from spawned_ranks import process_groups, results_by_rank, worker_group
+from systems.levers.layout import Layout
 from systems.model import TransformerLM
 from systems.parallel import tensor as tensor_module
 from systems.parallel.fsdp import FSDP
-from systems.parallel.mesh import Layout, Mesh, device_mesh
+from systems.parallel.mesh import Mesh, device_mesh
 from systems.parallel.ranks import rank_device
 
 U = 2.0**-24

@@ -27,9 +27,10 @@ from systems.accounting.traffic import fsdp_collectives
 from systems.bench import axes
 from systems.bench.axes import axis_timer
 from spawned_ranks import results_by_rank
-from systems.parallel.mesh import Layout
+from systems.levers.layout import Layout
 from systems.parallel.parallelize import full_parameters
-from systems.parallel.spec import TrainSpec, Variant
+from systems.parallel.spec import TrainSpec
+from systems.levers.variant import Variant
 from systems.parallel.train import train
 from systems.precision import PRECISIONS
 from systems.step import make_model

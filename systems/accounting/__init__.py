@@ -5,25 +5,26 @@ TP and FSDP x TP (ffn_layouts.py: the 2026 handout's section 8), bucketed all-re
 memory under FSDP and HSDP (sharding.py), the bytes a rank sends on each axis of a layout, collective by collective
 (traffic.py), and which layout a cluster of nodes runs fastest (layouts.py)."""
 
+from systems.accounting.activations import Activations
 from systems.accounting.allreduce import BucketedAllReduce, fit_bucketed_allreduce
-from systems.accounting.checkpointing import Checkpointing, recomputed_blocks
-from systems.accounting.flops import Flops, flops, recomputed_flops
+from systems.accounting.checkpointing import recomputed_blocks
 from systems.accounting.ffn_layouts import (RING_COLLECTIVES, Accelerator, Collective, DeviceBound, FSDPTPGrid,
                                              PassCost, StepCost, SwiGLULayer, dp_step, fsdp_step, fsdp_tp_step,
                                              largest_dp_devices, largest_fsdp_devices, largest_fsdp_tp_grid,
                                              largest_tp_devices, smallest_batch_per_device, tp_step)
+from systems.accounting.flops import Flops, flops, recomputed_flops
 from systems.accounting.layouts import Cluster, Compute, LayoutStep, Links, fastest, predict_layouts
 from systems.accounting.scaling import (TPU_V5P_BYTES, TPU_V5P_FLOPS, TPU_V5P_ICI_BANDWIDTH, XXL, ComputeBoundBatch,
                                         FFNStack, devices_to_hold, fsdp_tp_compute_bound_batch)
 from systems.accounting.sharding import ShardedMemory, fsdp_memory, hsdp_memory, sharded_weights
 from systems.accounting.traffic import AxisTraffic, StepCollective, ddp_traffic, hsdp_traffic
-from systems.accounting.transformer import (GB, H100_BYTES, Activations, ModelState, PeakMemory, activation_memory,
+from systems.accounting.transformer import (GB, H100_BYTES, ModelState, PeakMemory, activation_memory,
                                             checkpointed, count_matmul_parameters, count_parameters,
                                             kept_weight_copies, largest_context, model_state, nested_checkpoint,
                                             peak_memory, residual_stream_bytes)
 
 __all__ = ["GB", "H100_BYTES", "RING_COLLECTIVES", "TPU_V5P_BYTES", "TPU_V5P_FLOPS", "TPU_V5P_ICI_BANDWIDTH", "XXL",
-           "Accelerator", "Activations", "AxisTraffic", "BucketedAllReduce", "Checkpointing", "Cluster", "Collective",
+           "Accelerator", "Activations", "AxisTraffic", "BucketedAllReduce", "Cluster", "Collective",
            "Compute", "ComputeBoundBatch", "DeviceBound", "FFNStack", "FSDPTPGrid", "Flops", "LayoutStep", "Links",
            "ModelState", "PassCost", "PeakMemory", "ShardedMemory", "StepCollective", "StepCost", "SwiGLULayer",
            "activation_memory", "checkpointed", "count_matmul_parameters", "count_parameters",

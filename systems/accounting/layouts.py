@@ -26,9 +26,9 @@ import math
 from dataclasses import dataclass
 
 from systems.accounting.traffic import PASSES, StepCollective, ddp_collectives, fsdp_collectives
+from systems.levers.layout import Layout
+from systems.levers.sharding import DEFAULT_GATHER, Gather
 from systems.model import TransformerConfig
-from systems.parallel.fsdp_units import DEFAULT_GATHER, Gather
-from systems.parallel.mesh import Layout
 from systems.precision import Precision
 
 STRATEGIES = ("ddp", "fsdp", "hsdp")

@@ -11,16 +11,13 @@ holds; tests/test_checkpointing.py checks them against the CPU allocator.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
+from systems.accounting.activations import Activations, BlockActivations
 from systems.accounting.checkpointing import inputs_in_forward
 from systems.model import TransformerConfig
 from systems.precision import FP32, Precision
-
-if TYPE_CHECKING:  # the block's and the model's activations, which transformer.py models and passes in
-    from systems.accounting.transformer import Activations, _BlockActivations
 
 
 @dataclass(frozen=True)
@@ -74,7 +71,7 @@ def written_out_scores(config: TransformerConfig, batch_size: int, seq: int, pre
 
 
 def written_out_forward_peak(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, device: str,
-                             acts: Activations, block: _BlockActivations) -> int:
+                             acts: Activations, block: BlockActivations) -> int:
     """Written-out attention's forward peak, weights aside: inside the top block's attention, or under
     checkpointing in the block whose forward holds the most segment inputs (and what op-level selection kept
     below it) or in the top block left out, with the autocast weight copies made so far and qkv's output, whose
@@ -105,7 +102,7 @@ def written_out_forward_peak(config: TransformerConfig, batch_size: int, seq: in
 
 
 def written_out_backward_peak(config: TransformerConfig, batch_size: int, seq: int, precision: Precision,
-                              device: str, block: _BlockActivations) -> int:
+                              device: str, block: BlockActivations) -> int:
     """What a block's backward holds inside written-out attention's softmax backward beyond the activations held
     at its start and the residual stream's gradient: the gradients of the FFN, its norm and the out projection,
     less what their backward has freed (the FFN's activations, the out projection's input, what P @ V kept,

@@ -17,7 +17,7 @@ A step adds, at each moment, four things (`Moment`), and its peak is the largest
   then. Nothing is prefetched for a recomputation before it starts: FSDP's backward order holds only the
   weights it saved itself, so the LM head's backward gathers the head alone;
 - gradients in flight: a weight's full-size gradient in the compute dtype from its matmul until its group's
-  reduce-scatter is waited for, with two groups waiting at once (fsdp.REDUCE_SCATTERS_IN_FLIGHT), each beside
+  reduce-scatter is waited for, with two groups waiting at once (levers.sharding.REDUCE_SCATTERS_IN_FLIGHT), each beside
   its chunks of the result; gloo's reduce-scatter (device "cpu") moves every chunk to its rank first, into one
   more full-size buffer;
 - activations: a model whose weights are in the compute dtype saves them (`bf16-weights`' activations for
@@ -53,10 +53,10 @@ import torch
 from systems.accounting.checkpointing import held_in_backward, segment_starts
 from systems.accounting.loss import chunks_the_loss
 from systems.accounting.transformer import activation_memory, count_parameters, model_state
+from systems.levers.layout import Layout
+from systems.levers.sharding import REDUCE_SCATTERS_IN_FLIGHT
+from systems.levers.sharding import DEFAULT_GATHER, DEFAULT_PREFETCH, Gather, check_prefetch
 from systems.model import TransformerConfig
-from systems.parallel.fsdp import REDUCE_SCATTERS_IN_FLIGHT
-from systems.parallel.fsdp_units import DEFAULT_GATHER, DEFAULT_PREFETCH, Gather, check_prefetch
-from systems.parallel.mesh import Layout
 from systems.precision import FP32, Precision
 
 

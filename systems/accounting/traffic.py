@@ -19,7 +19,7 @@ Transformer LM:
   of its weights) all-reduced in the compute dtype, one collective per group; the replicated parameters'
   gradients all-reduced again.
 DDPBucketed (Layout(replicate=N)): every gradient all-reduced in its own dtype (the weights'), in the buckets
-`systems.parallel.ddp.fill_buckets` makes of the parameters in reverse order, one all-reduce each, in backward.
+`systems.levers.buckets.fill_buckets` makes of the parameters in reverse order, one all-reduce each, in backward.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import torch
 
 from systems.accounting.sharding import block_weights, sharded_weights
 from systems.accounting.transformer import count_parameters
+from systems.levers.buckets import fill_buckets
+from systems.levers.layout import Layout
+from systems.levers.sharding import DEFAULT_GATHER, Gather
 from systems.model import TransformerConfig, TransformerLM
-from systems.parallel.ddp import fill_buckets
-from systems.parallel.fsdp_units import DEFAULT_GATHER, Gather
-from systems.parallel.mesh import Layout
 from systems.precision import Precision
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")

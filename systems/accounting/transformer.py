@@ -21,10 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from systems.accounting.checkpointing import Checkpointing, held_in_backward, kept_inputs, least_peak_levels
+from systems.accounting.activations import Activations, BlockActivations
+from systems.accounting.checkpointing import held_in_backward, least_peak_levels
 from systems.accounting.flops import check_shape, selects_attention
-from systems.accounting.loss import LossMemory, chunks_the_loss, loss_memory
+from systems.accounting.loss import chunks_the_loss, loss_memory
 from systems.accounting.scores import written_out_backward_peak, written_out_forward_peak, written_out_scores
+from systems.levers.checkpointing import Checkpointing
 from systems.model import Attention, Fused, TransformerConfig
 from systems.precision import FP32, Precision
 from systems.recompute import Saves
@@ -102,39 +104,6 @@ def kept_weight_copies(config: TransformerConfig, precision: Precision) -> int:
     return kept_layers * layer + head_weight_copy(config, precision)
 
 
-@dataclass(frozen=True)
-class Activations:
-    """Bytes autograd holds for backward after one forward pass and loss (inputs and weights excluded)."""
-
-    per_layer: int
-    num_layers: int
-    final_norm: int  # the final norm's saved tensors
-    loss: LossMemory  # the LM head's and the loss's
-    segment_input: int  # one residual-stream tensor: what checkpointing keeps of a segment
-    checkpoint: tuple[int, ...] = ()  # TransformerConfig.checkpoint
-    keep: int = 0  # TransformerConfig.checkpoint_keep
-    selected: int = 0  # what op-level selection keeps of a checkpointed block beside its input
-    untaken: int = 0  # the part of `selected` that the block's recomputation leaves where it is
-
-    @property
-    def blocks(self) -> int:
-        """What the blocks keep: every block's activations, or under checkpointing the inputs of the outermost
-        segments (and what op-level selection keeps of them), and the activations of the blocks left out."""
-        if not self.checkpoint:
-            return self.num_layers * self.per_layer
-        checkpointed = self.num_layers - self.keep
-        return (kept_inputs(checkpointed, self.checkpoint) * self.segment_input + checkpointed * self.selected
-                + self.keep * self.per_layer)
-
-    @property
-    def head(self) -> int:
-        return self.final_norm + self.loss.saved
-
-    @property
-    def total(self) -> int:
-        return self.blocks + self.head
-
-
 def activation_memory(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, *,
                       attention: Attention | None = None, device: str = "cuda") -> Activations:
     """Saved-for-backward bytes for `attention` ("naive" has the seq² terms; "sdpa" and "flash" keep
@@ -182,23 +151,8 @@ def _norm_saved(config: TransformerConfig, tokens: int, precision: Precision) ->
     return 2 * FP32 * tokens * config.d_model + FP32 * tokens
 
 
-@dataclass(frozen=True)
-class _BlockActivations:
-    """One block's saved-for-backward bytes, in parts that its backward frees in turn: the FFN's first, then
-    what the out projection and attention's last matmul keep, then the rest of attention's."""
-
-    ffn: int  # the norm's, w1's and w3's inputs, SwiGLU's products
-    attention_out: int  # the out projection's input; attention's V (or qkv output), output, logsumexp or P's cast
-    attention_in: int  # the norm's, qkv's input, q and k after RoPE and the casts of its tables
-    scores: int  # written-out attention's mask and probabilities, which its softmax's backward uses
-
-    @property
-    def total(self) -> int:
-        return self.ffn + self.attention_out + self.attention_in + self.scores
-
-
 def _block_activations(config: TransformerConfig, batch_size: int, seq: int, precision: Precision, attention: str,
-                       device: str) -> _BlockActivations:
+                       device: str) -> BlockActivations:
     low = precision.compute.itemsize
     casts = precision.weights != precision.compute  # autocast casts the fp32 residual stream and tables
     tokens = batch_size * seq
@@ -217,7 +171,7 @@ def _block_activations(config: TransformerConfig, batch_size: int, seq: int, pre
         # V, which P @ V's batched matmul copies contiguous, unless the batch or the heads are one: then it keeps a
         # view of the whole qkv output. Then the probabilities' cast, if any, and the output re-laid for `out`.
         v = 3 * act if 1 in (batch_size, config.num_heads) else act
-        return _BlockActivations(ffn=ffn, attention_out=v + scores.probs_cast + act, attention_in=attention_in,
+        return BlockActivations(ffn=ffn, attention_out=v + scores.probs_cast + act, attention_in=attention_in,
                                  scores=scores.mask + scores.probs)
     # The out projection's copy of attention's output, unless that is (batch, seq)-major already: cuDNN's SDPA's always;
     # on a CPU SDPA's and FlashAttention-2 in PyTorch follow q's layout, which the fused RoPE writes so. (Our Triton
@@ -226,7 +180,7 @@ def _block_activations(config: TransformerConfig, batch_size: int, seq: int, pre
     out_copy = 0 if (attention == "sdpa" and device == "cuda") or follows_q else act
     # qkv output (kept whole through the V view), output, fp32 logsumexp
     lse = FP32 * batch_size * config.num_heads * seq
-    return _BlockActivations(ffn=ffn, attention_out=3 * act + act + lse + out_copy, attention_in=attention_in,
+    return BlockActivations(ffn=ffn, attention_out=3 * act + act + lse + out_copy, attention_in=attention_in,
                              scores=0)
 
 

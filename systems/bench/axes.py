@@ -20,8 +20,9 @@ import torch.distributed as dist
 
 from systems.accounting.traffic import StepCollective
 from systems.device import synchronize
+from systems.levers.layout import Layout
 from systems.parallel.collectives import all_gather, all_reduce_mean, reduce_scatter_mean
-from systems.parallel.mesh import Layout, Mesh
+from systems.parallel.mesh import Mesh
 from systems.parallel.ranks import rank_device
 
 DTYPES = {4: torch.float32, 2: torch.bfloat16}  # a collective's itemsize: the step's fp32 or low-precision tensors

@@ -24,10 +24,11 @@ import torch
 import torch.distributed as dist
 
 from systems.accounting.ffn_layouts import Collective, StepCost, SwiGLULayer, dp_step, fsdp_step, fsdp_tp_step, tp_step
+from systems.levers.layout import Layout
 from systems.model import SwiGLU
 from systems.parallel.collectives import all_gather, all_reduce_sum, reduce_scatter_mean
 from systems.parallel.issued import IssuedCollectives
-from systems.parallel.mesh import Layout, Mesh
+from systems.parallel.mesh import Mesh
 from systems.parallel.meters import PhaseClock
 from systems.parallel.ranks import rank_device
 from systems.parallel.swiglu import FFNLayout, Placement, lay_out

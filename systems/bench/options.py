@@ -15,14 +15,14 @@ from dataclasses import dataclass
 
 import pytest
 
-from systems.accounting.checkpointing import Checkpointing
 from systems.attention.backends import BENCHED_BACKENDS
 from systems.choice import on_off
+from systems.levers.checkpointing import Checkpointing
+from systems.levers.sharding import Gather, check_prefetch
+from systems.levers.variant import Variant
 from systems.model import DEFAULT_EDITION, EDITIONS, Attention, Fused
-from systems.parallel.fsdp_units import Gather, check_prefetch
-from systems.parallel.mesh import Layout
 from systems.parallel.ranks import BACKENDS
-from systems.parallel.spec import Variant, check_data_layout
+from systems.parallel.spec import data_layout
 from systems.parallel.swiglu import FFNLayout
 from systems.precision import DTYPES, Precision, get_precision
 from systems.recompute import Saves
@@ -90,14 +90,6 @@ def _over_the_world(text: str) -> Variant:
     return variant
 
 
-def _layout(text: str) -> Layout:
-    return check_data_layout(Layout.parse(text))
-
-
-def _checkpointing(text: str) -> Checkpointing:
-    return Checkpointing.parse(text)
-
-
 def _typed(parse: Callable[[str], object]) -> Callable[[str], object]:
     """argparse's type: the parser's ValueError becomes argparse's usage error, naming the option."""
     def typed(text: str):
@@ -153,7 +145,7 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
         Option("--rounds", _positive(int), "5", "timed rounds per benchmark"),
         Option("--memory-snapshot-dir", str, None, "bench_model: write CUDA memory snapshots of a forward pass and "
                "a training step here"),
-        Option("--checkpoint", _checkpointing, "none,every1,nested",
+        Option("--checkpoint", Checkpointing.parse, "none,every1,nested",
                "checkpointing schemes (bench_checkpoint, bench_fullstep): none, everyK (segments of K blocks), "
                "KxK (two levels, e.g. 6x1), nested (the two levels of least peak memory), attn or ops (blocks keeping "
                "attention's outputs, or those and the matmuls'); -keepN after any but none leaves the top N blocks "
@@ -195,7 +187,7 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
                "layer, e.g. 1,2,5", many=True),
         Option("--fsdp-gather", Gather, "block", "what one of our FSDP's collectives covers: layer (each weight, "
                "the handout's) and/or block (a Transformer block's weights, FSDP2's)", many=True),
-        Option("--layouts", _layout, "2x2", "bench_layouts' replicas x shards (HSDP, ours and torch's), e.g. 2x2,2x4; "
+        Option("--layouts", data_layout, "2x2", "bench_layouts' replicas x shards (HSDP, ours and torch's), e.g. 2x2,2x4; "
                "each layout's N ranks also run as DDP (N x 1) and FSDP (1 x N)", many=True),
         Option("--layout-preset", _name, "tiny", "model preset of bench_layouts; the issue's point: xl on 4 GPUs"),
         Option("--fullstep-preset", _name, "leaderboard-2026-tiny",
@@ -228,7 +220,7 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
                "over the ranks"),
         Option("--leaderboard-world-size", _positive(int), "2", "ranks (GPUs under NCCL); the handout's: 2"),
         Option("--leaderboard-precision", get_precision, "bf16", "the handout's: bf16"),
-        Option("--leaderboard-checkpoint", _checkpointing, "none", "checkpointing schemes of our model", many=True),
+        Option("--leaderboard-checkpoint", Checkpointing.parse, "none", "checkpointing schemes of our model", many=True),
         Option("--leaderboard-rep-ms", _positive(float), None, "do_bench's rep budget, ms; default the handout's "
                "30000 on a GPU, 20 on a CPU"),
         Option("--leaderboard-warmup-ms", _positive(float), None, "do_bench's warmup budget, ms; default the "

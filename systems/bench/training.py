@@ -20,7 +20,8 @@ from systems.bench.leases import on_gpus
 from systems.bench.schema import Phases, Point
 from systems.bench.schema.records import to_record
 from systems.bench.timing import record_timings, throughput
-from systems.parallel.spec import TrainSpec, Variant
+from systems.levers.variant import Variant
+from systems.parallel.spec import TrainSpec
 from systems.parallel.train import train
 
 BACKEND = "nccl" if torch.cuda.is_available() else "gloo"

@@ -28,7 +28,6 @@ the world size before the sum, which is exact for a power of two.
 from __future__ import annotations
 
 import itertools
-import math
 import weakref
 from collections.abc import Callable
 
@@ -37,6 +36,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from systems.device import host_to_device
+from systems.levers.buckets import check_bucket_size, fill_buckets
 
 
 class _InPlace:
@@ -84,25 +84,6 @@ class _Bucket:
         # gradients are freed.
         for param, view in zip(self.params, self.views):
             param.grad = view
-
-
-def fill_buckets(params: list[nn.Parameter], bucket_size_mb: float | None) -> list[list[nn.Parameter]]:
-    """Split `params`, in order, into runs of at most `bucket_size_mb` (one bucket when None).
-
-    A parameter larger than a bucket gets a bucket of its own; a change of dtype starts a new
-    bucket, since a bucket is one flat tensor.
-    """
-    check_bucket_size(bucket_size_mb)
-    capacity = math.inf if bucket_size_mb is None else bucket_size_mb * 2**20
-    buckets, filled = [], 0
-    for param in params:
-        nbytes = param.numel() * param.element_size()
-        if not buckets or filled + nbytes > capacity or param.dtype != buckets[-1][0].dtype:
-            buckets.append([])
-            filled = 0
-        buckets[-1].append(param)
-        filled += nbytes
-    return buckets
 
 
 class _DataParallel(nn.Module):
@@ -250,8 +231,3 @@ def make_ddp(variant: str, module: nn.Module, bucket_size_mb: float | None = Non
 def _remove_hooks(handles: list) -> None:
     for handle in handles:
         handle.remove()
-
-
-def check_bucket_size(bucket_size_mb: float | None) -> None:
-    if bucket_size_mb is not None and not bucket_size_mb > 0:
-        raise ValueError(f"bucket_size_mb must be positive or None, got {bucket_size_mb}")

@@ -58,13 +58,13 @@ import torch.nn as nn
 from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
 from torch.utils.checkpoint import _CachedTorchDispatchMode, _CachingTorchDispatchMode
 
+from systems.levers.sharding import (DEFAULT_GATHER, DEFAULT_PREFETCH, REDUCE_SCATTERS_IN_FLIGHT, Gather,
+                                     check_prefetch)
 from systems.parallel.collectives import WaitClock, all_gather, all_reduce_mean, reduce_scatter_mean
-from systems.parallel.fsdp_units import (DEFAULT_GATHER, DEFAULT_PREFETCH, Gather, Group, Unit, check_compute_dtype,
-                                          check_prefetch, group_units, linear_or_embedding)
+from systems.parallel.fsdp_units import Group, Unit, check_compute_dtype, group_units, linear_or_embedding
 from systems.parallel.mesh import Mesh
 from systems.parallel.meters import GatheredMemory
 
-REDUCE_SCATTERS_IN_FLIGHT = 2  # a waited reduce-scatter frees its full-size gradients
 _RECOMPUTE_MODES = (_CachingTorchDispatchMode, _CachedTorchDispatchMode)  # selective checkpointing's
 
 

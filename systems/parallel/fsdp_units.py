@@ -1,5 +1,5 @@
-"""What our FSDP (systems.parallel.fsdp) shards and gathers together: its levers (what one collective covers,
-how many gathers run ahead, the compute dtype), the policy picking the sharded modules, a sharded weight (`Unit`)
+"""What our FSDP (systems.parallel.fsdp) shards and gathers together: the compute dtype (its other levers are
+systems.levers.sharding's), the policy picking the sharded modules, a sharded weight (`Unit`)
 and the weights one collective moves (`Group`)."""
 
 from __future__ import annotations
@@ -10,30 +10,9 @@ from collections.abc import Callable
 import torch
 import torch.nn as nn
 
-from systems.choice import Choice
+from systems.levers.sharding import Gather
 
 SHARDED_CLASS_NAMES = ("Linear", "Embedding")
-
-
-class Gather(Choice):
-    """What one all-gather (and one reduce-scatter) covers: a layer's weight (the handout's), or every layer's of
-    a block (FSDP2's unit: one host call per block, see FSDP)."""
-
-    LAYER = "layer"
-    BLOCK = "block"
-
-
-DEFAULT_GATHER = Gather.BLOCK
-DEFAULT_PREFETCH = 1  # the next group's all-gather in flight while a group computes
-
-
-def check_prefetch(prefetch: int) -> int:
-    """Gathers in flight ahead of the computing layer: a whole number, at least the next layer's."""
-    if isinstance(prefetch, bool) or not isinstance(prefetch, int):
-        raise TypeError(f"prefetch must be an int, got {prefetch!r}")
-    if prefetch < 1:
-        raise ValueError(f"prefetch must be at least 1, got {prefetch}")
-    return prefetch
 
 
 def check_compute_dtype(compute_dtype: torch.dtype | None) -> torch.dtype | None:

@@ -17,11 +17,13 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
+from systems.levers.layout import Layout
+from systems.levers.variant import Variant
 from systems.model import TransformerLM
 from systems.parallel.ddp import make_ddp
 from systems.parallel.fsdp import FSDP
-from systems.parallel.mesh import Layout, Mesh, TorchHSDP
-from systems.parallel.spec import TrainSpec, Variant
+from systems.parallel.mesh import Mesh, TorchHSDP
+from systems.parallel.spec import TrainSpec
 
 
 def parallelize(model: TransformerLM, spec: TrainSpec, device: torch.device, layout: Layout) -> nn.Module:

@@ -1,9 +1,9 @@
 """What a data-parallel training run is: `TrainSpec`, every lever of it typed and checked once.
 
 A lever arrives as text (an option, torchrun's command line) or as its object; `TrainSpec` turns text into the
-object with the lever's own parser (`get_precision`, `Checkpointing.parse`, `Attention`, `Gather`, `Variant`,
-`Optimizer`, `Layout.parse`) and keeps the object. Whether a layout fits the process group is checked where the
-group exists (`layout_for`, called by `train`). `parallelize` (systems.parallel.parallelize) and `train`
+object with the lever's own parser (`get_precision`, `Attention`, `Fused`, and systems.levers' `Variant`,
+`Optimizer`, `Gather`, `Checkpointing.parse`; `data_layout` here), and keeps the object. Whether a layout fits
+the process group is checked where the group exists (`layout_for`, called by `train`). `parallelize` (systems.parallel.parallelize) and `train`
 (systems.parallel.train) read it; it imports nothing of torch.distributed, so reading a history does not.
 """
 
@@ -11,62 +11,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from systems.accounting.checkpointing import Checkpointing
 from systems.accounting.transformer import checkpointed
-from systems.choice import Choice
+from systems.levers.checkpointing import Checkpointing
+from systems.levers.layout import Layout
+from systems.levers.sharding import DEFAULT_GATHER, DEFAULT_PREFETCH, Gather, check_prefetch
+from systems.levers.variant import Optimizer, Variant
 from systems.loss import check_chunk
 from systems.model import DEFAULT_EDITION, Attention, Fused, TransformerConfig, get_config
-from systems.parallel.fsdp_units import DEFAULT_GATHER, DEFAULT_PREFETCH, Gather, check_prefetch
-from systems.parallel.mesh import Layout
 from systems.precision import PRECISIONS, Precision, get_precision
-
-
-class Variant(Choice):
-    """How the ranks share a step: one process alone; our DDP variants (systems.parallel.ddp); torch's
-    DistributedDataParallel; our FSDP; torch's FSDP2 (`fully_shard`); ours and torch's FSDP over a layout of
-    replicas x shards (HSDP: shard inside a node, replicate across nodes; systems.parallel.mesh)."""
-
-    SINGLE = "single"
-    NAIVE = "naive"
-    FLAT = "flat"
-    INDIVIDUAL = "individual"
-    BUCKETED = "bucketed"
-    TORCH = "torch"
-    FSDP = "fsdp"
-    FSDP2 = "fsdp2"
-    HSDP = "hsdp"
-    TORCH_HSDP = "torch-hsdp"
-
-    @property
-    def sharded(self) -> bool:
-        """Shards weights, gradients and optimizer state, computing in the precision's compute dtype (weights
-        cast before the all-gathers) instead of under autocast."""
-        return self in (Variant.FSDP, Variant.FSDP2, Variant.HSDP, Variant.TORCH_HSDP)
-
-    @property
-    def meshed(self) -> bool:
-        """Takes a layout of replicas x shards: ours FSDP over a Mesh, torch's FSDP2 over a 2D DeviceMesh."""
-        return self in (Variant.HSDP, Variant.TORCH_HSDP)
-
-    def over_the_world(self, world_size: int) -> Layout:
-        """The layout of a variant that takes none: one process; the DDP variants replicate over every rank, FSDP
-        and FSDP2 shard over every rank."""
-        if self == Variant.SINGLE:
-            return Layout()
-        return Layout(shard=world_size) if self.sharded else Layout(replicate=world_size)
-
-    @property
-    def bucketed(self) -> bool:
-        """Takes a bucket size: DDPBucketed's, torch DDP's bucket_cap_mb."""
-        return self in (Variant.BUCKETED, Variant.TORCH)
-
-
-class Optimizer(Choice):
-    """AdamW on every rank; ShardedOptimizer (ZeRO-1) over our AdamW; torch's ZeroRedundancyOptimizer."""
-
-    ADAMW = "adamw"
-    SHARDED = "sharded"
-    ZERO = "zero"
 
 
 @dataclass(frozen=True)
@@ -99,7 +51,7 @@ class TrainSpec:
 
     def __post_init__(self):
         parsers = {"variant": Variant, "optimizer": Optimizer, "precision": get_precision, "attention": Attention,
-                   "fused": Fused, "fsdp_gather": Gather, "checkpoint": _checkpointing, "layout": _layout}
+                   "fused": Fused, "fsdp_gather": Gather, "checkpoint": Checkpointing.parse}
         for name, parse in parsers.items():
             object.__setattr__(self, name, parse(getattr(self, name)))
         if self.variant.meshed and self.layout is None:
@@ -108,7 +60,7 @@ class TrainSpec:
             raise ValueError(f"a layout is for {Variant.HSDP} and {Variant.TORCH_HSDP}; {self.variant} shares the "
                              f"step over every rank")
         if self.layout is not None:
-            check_data_layout(self.layout)
+            object.__setattr__(self, "layout", data_layout(self.layout))
         if self.variant.sharded and self.optimizer != Optimizer.ADAMW:
             raise ValueError(f"{self.variant} shards the optimizer state itself: use optimizer 'adamw'")
         if self.variant == Variant.TORCH and self.bucket_size_mb is None:
@@ -137,21 +89,11 @@ class TrainSpec:
         return checkpointed(self.checkpoint, base, self.batch_size, self.context, self.precision, device=device)
 
 
-def _checkpointing(scheme: Checkpointing | str) -> Checkpointing:
-    return scheme if isinstance(scheme, Checkpointing) else Checkpointing.parse(scheme)
-
-
-def check_data_layout(layout: Layout) -> Layout:
-    """A layout of replicas x shards: the training loop has no tensor parallelism (systems.parallel.tensor)."""
+def data_layout(layout: Layout | str) -> Layout:
+    """A training run's layout, or its text: replicas x shards, since the training loop has no tensor
+    parallelism (systems.parallel.tensor)."""
+    layout = Layout.parse(layout)
     if layout.tensor != 1:
         raise ValueError(f"layout {layout}: the training loop has no tensor parallelism (systems.parallel.tensor); "
                          f"give replicas x shards, e.g. 2x2")
     return layout
-
-
-def _layout(layout: Layout | str | None) -> Layout | None:
-    if layout is None or isinstance(layout, Layout):
-        return layout
-    if isinstance(layout, str):
-        return Layout.parse(layout)
-    raise TypeError(f"layout must be None, a Layout or its text (2x2), got {layout!r}")

@@ -37,10 +37,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from systems.choice import Choice
+from systems.levers.layout import Layout
 from systems.model import SwiGLU
 from systems.parallel.ddp import DDPIndividualParameters
 from systems.parallel.fsdp import FSDP
-from systems.parallel.mesh import Layout, Mesh, device_mesh
+from systems.parallel.mesh import Mesh, device_mesh
 from systems.parallel.tensor import copy_to_region, reduce_from_region
 
 

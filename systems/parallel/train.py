@@ -20,15 +20,16 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from systems.levers.layout import Layout
+from systems.levers.variant import Optimizer, Variant
 from systems.model import TransformerConfig
 from systems.optim import AdamW, ShardedOptimizer
 from systems.parallel.collectives import all_reduce_mean
 from systems.parallel.fsdp import FSDP
-from systems.parallel.mesh import Layout
 from systems.parallel.meters import PeakMemory, PhaseClock
 from systems.parallel.parallelize import parallelize
 from systems.parallel.ranks import rank_device
-from systems.parallel.spec import Optimizer, TrainSpec, Variant
+from systems.parallel.spec import TrainSpec
 from systems.precision import Precision
 from systems.step import backward, forward_loss, make_model, optimizer_step, random_batch
 

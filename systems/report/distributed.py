@@ -7,10 +7,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from systems.accounting import BucketedAllReduce, Checkpointing, count_parameters, fit_bucketed_allreduce, flops
+from systems.accounting import BucketedAllReduce, count_parameters, fit_bucketed_allreduce, flops
 from systems.bench.schema import DDP_VARIANTS, FSDP_VARIANTS, Phases, Point
+from systems.levers.checkpointing import Checkpointing
+from systems.levers.variant import Variant
 from systems.model import get_config
-from systems.parallel.spec import Variant
 from systems.report.markdown import Table, batch_sizes, fields_of, mb, ms, number, order, sorted_by
 from systems.report.runs import Result, Run
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from systems.accounting.layouts import Cluster, Compute, Links, fastest, predict_layouts
 from systems.bench.schema import LAYOUT_BUCKET_MB, LAYOUT_VARIANTS
+from systems.levers.variant import Variant
 from systems.model import get_config
-from systems.parallel.spec import Variant
 from systems.report.markdown import Table, batch_sizes, mb, ms, number, order
 from systems.report.runs import Result, Run
 

@@ -7,8 +7,8 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from systems.accounting.checkpointing import Checkpointing
 from systems.bench.schema import Point
+from systems.levers.checkpointing import Checkpointing
 from systems.precision import Precision
 from systems.report.runs import Result
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from systems.bench.schema import MODEL_PHASES
-from systems.parallel.spec import Variant
+from systems.levers.variant import Variant
 from systems.report.course import course_plots
 from systems.report.markdown import order
 from systems.report.runs import Result, Run

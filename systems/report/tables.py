@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from systems.accounting import Checkpointing, checkpointed, model_state, peak_memory
+from systems.accounting import checkpointed, model_state, peak_memory
 from systems.bench.schema import ATTENTION_PASSES, MODEL_PHASES, CheckpointPoint, ModelPoint
+from systems.levers.checkpointing import Checkpointing
 from systems.model import get_config
 from systems.recompute import Saves
 from systems.report.breakdown import breakdown_tables

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from systems.accounting.checkpointing import Checkpointing
 from systems.bench.schema.base import Measured, Point
 from systems.bench.schema.distributed import CollectiveShape
 from systems.bench.schema.model import kernel_levers
+from systems.levers.checkpointing import Checkpointing
 from systems.model import Attention, Fused
 from systems.parallel.swiglu import FFNLayout, Placement
 from systems.precision import Precision

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from systems.accounting.checkpointing import Checkpointing
 from systems.bench.breakdown import StepBreakdown
 from systems.bench.schema.base import Measured, Point, Throughput
 from systems.bench.schema.model import kernel_levers
+from systems.levers.checkpointing import Checkpointing
+from systems.levers.sharding import Gather
+from systems.levers.variant import Optimizer, Variant
 from systems.model import Attention, Fused
-from systems.parallel.fsdp_units import Gather
-from systems.parallel.spec import Optimizer, Variant
 from systems.precision import Precision
 
 # One process and torch's DistributedDataParallel come first, in grids and tables: the others compare with them.

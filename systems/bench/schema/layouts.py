@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from systems.bench.schema.base import Point
 from systems.bench.schema.distributed import TrainingMeasured
-from systems.parallel.mesh import Layout
-from systems.parallel.spec import Variant
+from systems.levers.layout import Layout
+from systems.levers.variant import Variant
 from systems.precision import Precision
 
 # One process first (the compute every layout adds communication to), then DDP, FSDP, ours and torch's HSDP.

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from systems.accounting.checkpointing import Checkpointing
 from systems.bench.schema.base import Measured, Point, Throughput
+from systems.levers.checkpointing import Checkpointing
 from systems.model import Attention, Fused
 from systems.precision import Precision
 

@@ -15,7 +15,7 @@ import functools
 import types
 import typing
 
-from systems.accounting.checkpointing import Checkpointing
+from systems.levers.checkpointing import Checkpointing
 from systems.precision import Precision, get_precision
 
 # The version of the histories this code writes and reads; 3 added the fused kernels and regional compilation to the
