@@ -1,37 +1,13 @@
-"""The 2026 leaderboard's training step, timed as the course times it (handout 26.1.1, section 9, and the
-leaderboard repository's README; quoted in docs/course-2026.md):
+"""The 2026 leaderboard's training step, timed as the course times it (handout 26.1.1, section 9; quoted in
+docs/course-2026.md): the course's `train_step` under triton's do_bench at batch 2, context 32768, bf16, causal, on
+two GPUs, from an empty cache, within 10 minutes.
 
-    labels, targets = torch.randint(high=cfg.vocab_size, size=(2, cfg.batch_size, cfg.ctx_len))
-    def train_step():
-        optimizer.zero_grad(set_to_none=True)
-        res = model(labels)
-        loss = cross_entropy(res, targets).sum()
-        loss.backward()
-        optimizer.step()
-    timing_results = triton.testing.do_bench(train_step, rep=30_000, warmup=10_000)
-
-at batch 2, context 32768, bf16, causal, on two GPUs, from an empty cache, within 10 minutes. `cross_entropy` is
-the course's (cs336_basics.nn_utils.cross_entropy), which already averages over every token: `.sum()` of its
-scalar is that mean, so the loss is the mean cross-entropy and its gradients the mean's (not batch x context
-times larger, as a per-token sum would make them). do_bench's figure is its default return, the mean of its
-timed steps (not the median); both are recorded.
-
-`run_leaderboard(...)` runs on every rank of a process group: the handout's inputs from the handout's call (one
-seed, so the same batch on every rank), each rank its share of the batch's sequences, the model under our FSDP
-(bf16 compute, fp32 shards), and `train_step` as above with the one addition FSDP needs between backward and the
-optimizer step (`finish_gradient_synchronization`, where its reduce-scatters are waited). The model is ours
-(systems.model, with its levers: attention, checkpointing, the chunked loss inside its LM head; systems AdamW) or
-the course's reference (`Reference`: cs336_basics' BasicsTransformerLM, cross_entropy and AdamW, our FSDP around
-it: its Linear and Embedding are sharded by class name). `course_timing` is do_bench on a GPU; on a CPU the same
-algorithm on the host clock (triton's do_bench needs a GPU). On several ranks do_bench's own estimate of a step,
-which decides how many steps it runs, may differ between ranks by a hair, and a rank that runs one step more
-waits forever in its collectives: the ranks agree on the slowest rank's estimate first, and do_bench gets budgets
-halfway between the step counts the point's budgets give at that estimate (the same counts, far from an edge).
-
-`from_reference_state_dict` maps the reference's parameter names and layout to ours (q_proj, k_proj, v_proj
-stacked into our fused qkv, whose rows are (3, heads, d_head)); `forward_difference` compares the two forwards on
-the same weights. The reference's RoPE pairs features (2i, 2i + 1) and writes the rotated evens before the odds,
-ours interleaved: a permutation of q's and k's features alike, which leaves q . k, and so attention, unchanged.
+`run_leaderboard(...)` runs it on every rank of a process group: the handout's inputs (`handout_inputs`), each rank
+its share of the batch, our model or the course's (`Reference`) under our FSDP, and `handout_step` with FSDP's
+`finish_gradient_synchronization` before the optimizer step. `course_timing` is do_bench (on a CPU, its algorithm
+on the host clock), the ranks agreeing on one step estimate first (`agreed_step_ms`) so that they run as many steps.
+`from_reference_state_dict` maps the reference's weights to ours; `forward_difference` compares the two forwards.
+docs/design-notes.md has the handout's code and the design.
 """
 
 from __future__ import annotations
@@ -84,7 +60,7 @@ def handout_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, mean_
 
 
 @dataclass(frozen=True)
-class Timing:
+class CourseTiming:
     timer: str  # "triton.testing.do_bench" or "do_bench's algorithm on the host clock"
     times_ms: list[float]  # each timed step (do_bench's "all"; only the mean where the GPU's triton has no "all")
     mean_ms: float  # the handout's figure
@@ -94,7 +70,7 @@ class Timing:
     warmup_ms: float
 
 
-def course_timing(step: Callable[[], None], rep_ms: float, warmup_ms: float, device: torch.device) -> Timing:
+def course_timing(step: Callable[[], None], rep_ms: float, warmup_ms: float, device: torch.device) -> CourseTiming:
     """`step` timed as the course times it (see the module's docstring), the budgets agreed between ranks."""
     step()  # do_bench's first call, before its estimate: one untimed step
     estimate = agreed_step_ms(step, device)
@@ -108,14 +84,14 @@ def course_timing(step: Callable[[], None], rep_ms: float, warmup_ms: float, dev
             times = do_bench(step, rep=rep_ms, warmup=warmup_ms, return_mode="all")
         except AssertionError:  # an older triton without "all": its default figure alone, the mean
             times = [do_bench(step, rep=rep_ms, warmup=warmup_ms)]
-            return Timing("triton.testing.do_bench", times, times[0], None, warmup_steps, rep_ms, warmup_ms)
+            return CourseTiming("triton.testing.do_bench", times, times[0], None, warmup_steps, rep_ms, warmup_ms)
         timer = "triton.testing.do_bench"
     else:
         for _ in range(warmup_steps):
             step()
         times = [_host_ms(step) for _ in range(timed_steps)]
         timer = "do_bench's algorithm on the host clock"
-    return Timing(timer, list(times), statistics.mean(times), statistics.median(times), warmup_steps, rep_ms,
+    return CourseTiming(timer, list(times), statistics.mean(times), statistics.median(times), warmup_steps, rep_ms,
                   warmup_ms)
 
 

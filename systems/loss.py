@@ -3,17 +3,9 @@ tokens at a time.
 
 `cross_entropy(logits, targets)` takes logits the LM head has made. `chunked_cross_entropy(hidden, weight,
 targets, chunk)` is the LM head and the loss in one: it makes the logits of `chunk` tokens at a time and keeps
-none of them. The backward makes each chunk's logits again from what the forward saved (the hidden states,
-the weight and each row's log-sum-exp), so a step holds one chunk's logits instead of all of them: at a long
-context these are the largest tensors of the step (vocab / d_model times the residual stream). The matmuls run
-in the compute dtype (autocast's, else the hidden states'); the softmax is fp32 whatever that is. With `fused`,
-the softmax, log-sum-exp and gradient of each chunk are Triton kernels over vocab tiles (systems.kernels) that read
-the matmul's logits in the compute dtype and write the gradient over them, where eager PyTorch makes several fp32
-copies of the chunk's logits; the matmuls stay torch's.
-
-`LMHead` is a Linear whose forward takes the targets too and then returns the loss, so the loss runs inside one
-call of the head module: a wrapper that gathers the weight around that call (systems.parallel.fsdp) has it
-for the loss, and its saved-tensor hooks see the weight this function saves.
+none of them, so a step holds one chunk's logits instead of all of them (with `fused`, each chunk's softmax runs
+in Triton kernels, systems.kernels). `LMHead` is a Linear whose forward takes the targets too and returns the loss,
+so that the loss runs inside one call of the head module. docs/design-notes.md has the design.
 """
 
 from __future__ import annotations

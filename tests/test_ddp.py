@@ -167,13 +167,13 @@ def train_replicas() -> dict:
     return results
 
 
-replicas = results_by_rank("replicas", train_replicas, gloo_world_sizes=(2, 4), timeout=240)
+trained = results_by_rank("trained", train_replicas, gloo_world_sizes=(2, 4), timeout=240)
 
 
 @pytest.mark.parametrize("optimizer_name, precision", RUNS, ids=["-".join(run) for run in RUNS])
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_matches_single_process_training(replicas, variant, optimizer_name, precision):
-    for rank, result in enumerate(replicas):
+def test_matches_single_process_training(trained, variant, optimizer_name, precision):
+    for rank, result in enumerate(trained):
         expected = result["reference"][optimizer_name.removeprefix("sharded-"), precision]
         actual = result[variant, optimizer_name, precision]
         for name, value in expected.items():
@@ -183,37 +183,37 @@ def test_matches_single_process_training(replicas, variant, optimizer_name, prec
 
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_gradients_are_all_reduced_in_the_weights_dtype(replicas, variant, precision):
+def test_gradients_are_all_reduced_in_the_weights_dtype(trained, variant, precision):
     """bf16 weights have bf16 gradients: the all-reduces move half the bytes of fp32 ones."""
-    for result in replicas:
+    for result in trained:
         assert result["reduced_dtypes"][variant, precision] == {get_precision(precision).weights}
 
 
 @pytest.mark.parametrize("size", list(BUCKETS))
-def test_buckets_fill_in_reverse_parameter_order(replicas, size):
-    for result in replicas:
+def test_buckets_fill_in_reverse_parameter_order(trained, size):
+    for result in trained:
         assert result["buckets"][f"bucketed-{size}", "fp32"] == BUCKETS[size][1]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_overlapping_variants_launch_all_reduces_during_backward(replicas, variant):
+def test_overlapping_variants_launch_all_reduces_during_backward(trained, variant):
     """In step 0 every parameter gets a gradient, so every unit launches before backward returns."""
     expected = {"naive": 0, "flat": 0, "individual": len(TRAINABLE)}
     expected.update({f"bucketed-{name}": len(layout) for name, (_, layout) in BUCKETS.items()})
-    for result in replicas:
+    for result in trained:
         assert result["launched_in_backward"][variant, "fp32"] == expected[variant]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_a_dropped_wrapper_frees_its_module(replicas, variant):
+def test_a_dropped_wrapper_frees_its_module(trained, variant):
     """Gradient hooks must not keep a wrapper, its module and their memory alive once dropped."""
-    for result in replicas:
+    for result in trained:
         assert result["freed"][variant]
 
 
-def test_reference_training_moves_every_trainable_parameter(replicas):
+def test_reference_training_moves_every_trainable_parameter(trained):
     """Guards the comparisons above against a model in which nothing trains."""
-    for (_, precision), reference in replicas[0]["reference"].items():
+    for (_, precision), reference in trained[0]["reference"].items():
         torch.manual_seed(SEED)
         initial = snapshot(toy_model(precision, "cpu"))
         for name in TRAINABLE:

@@ -163,7 +163,7 @@ def train_all() -> dict:
     return results
 
 
-replicas = results_by_rank("replicas", train_all, gloo_world_sizes=(2, 3), timeout=600)
+trained = results_by_rank("trained", train_all, gloo_world_sizes=(2, 3), timeout=600)
 
 
 def run_id(run: tuple) -> str:
@@ -172,9 +172,9 @@ def run_id(run: tuple) -> str:
 
 
 @pytest.mark.parametrize("run", RUNS, ids=run_id)
-def test_matches_one_process_exactly(replicas, run):
-    expected = replicas[0][run[:3]]["reference"]
-    for rank, result in enumerate(replicas):
+def test_matches_one_process_exactly(trained, run):
+    expected = trained[0][run[:3]]["reference"]
+    for rank, result in enumerate(trained):
         actual = result[run]["params"]
         assert list(actual) == list(expected)  # the wrapped module's own names, in its order
         for name, value in expected.items():
@@ -182,8 +182,8 @@ def test_matches_one_process_exactly(replicas, run):
 
 
 @pytest.mark.parametrize("model_name", MODELS)
-def test_replicated_gradients_are_identical_on_every_rank(replicas, model_name):
-    grads = [result[model_name, "fp32", "sgd", 1, "layer"]["replicated_grads"] for result in replicas]
+def test_replicated_gradients_are_identical_on_every_rank(trained, model_name):
+    grads = [result[model_name, "fp32", "sgd", 1, "layer"]["replicated_grads"] for result in trained]
     assert grads[0]
     for other in grads[1:]:
         assert list(other) == list(grads[0])
@@ -191,39 +191,39 @@ def test_replicated_gradients_are_identical_on_every_rank(replicas, model_name):
 
 
 @pytest.mark.parametrize("model_name", MODELS)
-def test_gradients_arrive_in_the_shards_shape_and_fp32(replicas, model_name):
-    for result in replicas:
+def test_gradients_arrive_in_the_shards_shape_and_fp32(trained, model_name):
+    for result in trained:
         assert all(result[model_name, "bf16", "sgd", 1, "layer"]["shard_grads"])
 
 
-def test_training_moves_every_trainable_parameter(replicas):
+def test_training_moves_every_trainable_parameter(trained):
     """Guards the comparisons against a run in which nothing trains."""
     for model_name in MODELS:
-        run = replicas[0][model_name, "fp32", "sgd"]
+        run = trained[0][model_name, "fp32", "sgd"]
         for name, param in build(model_name, "meta").named_parameters():
             assert torch.equal(run["reference"][name], run["initial"][name]) != param.requires_grad, name
 
 
 @pytest.mark.parametrize("model_name", MODELS)
-def test_each_rank_holds_its_share_of_every_sharded_weight(replicas, model_name):
+def test_each_rank_holds_its_share_of_every_sharded_weight(trained, model_name):
     """Shards of ceil(numel / N): the sharded state per rank is 1/N of the whole, up to N - 1 elements a weight."""
-    world_size = len(replicas)
+    world_size = len(trained)
     model = build(model_name, "cpu")
     sharded = {name: p.numel() for name, p in model.named_parameters()
                if any(m.weight is p for m in model.modules() if is_sharded(m))}
-    numels = [result[model_name, "fp32", "sgd", 1, "layer"]["shard_numels"] for result in replicas]
+    numels = [result[model_name, "fp32", "sgd", 1, "layer"]["shard_numels"] for result in trained]
     for name, numel in sharded.items():
         shares = [n[name] for n in numels]
         assert sum(shares) == numel and max(shares) == math.ceil(numel / world_size), name
 
 
 @pytest.mark.parametrize("run", [run for run in RUNS if run[2] == "sgd"], ids=run_id)
-def test_gathered_weights_alive_at_once_are_the_computing_layer_and_those_prefetched(replicas, run):
+def test_gathered_weights_alive_at_once_are_the_computing_layer_and_those_prefetched(trained, run):
     """At most `prefetch + 1` consecutive groups' weights beyond the shards (in the compute dtype, a weight
     two layers share once), exactly as many as the largest such window holds, and none outlives the step: a
     prefetch too shallow, past the forward's end, or gathering a gathered weight again changes the peak."""
     prefetch = run[3]
-    for result in replicas:
+    for result in trained:
         uses = result[run]["gathered_sizes"]  # (group, bytes) of each use, in forward order
         windows = [dict(uses[i:i + prefetch + 1]) for i in range(len(uses))]
         assert result[run]["gathered_after_step"] == 0
@@ -269,8 +269,8 @@ def test_default_policy_picks_classes_named_linear_or_embedding():
     assert picked == [True, True, True, True, False, False]
 
 
-def test_sharded_state_matches_the_accounting(replicas):
+def test_sharded_state_matches_the_accounting(trained):
     """Rank 0 holds the largest shards: its parameters, gradients and AdamW moments are what fsdp_memory predicts."""
-    predicted = fsdp_memory(TRANSFORMER, ROWS_PER_RANK, SEQ, PRECISIONS["fp32"], len(replicas), device="cpu")
-    state = replicas[0]["transformer", "fp32", "adamw", 1, "layer"]["state_bytes"]
+    predicted = fsdp_memory(TRANSFORMER, ROWS_PER_RANK, SEQ, PRECISIONS["fp32"], len(trained), device="cpu")
+    state = trained[0]["transformer", "fp32", "adamw", 1, "layer"]["state_bytes"]
     assert state == {"params": predicted.params, "grads": predicted.grads, "optimizer": predicted.optimizer}

@@ -61,27 +61,27 @@ def train_every_spec() -> dict:
     return results
 
 
-replicas = results_by_rank("replicas", train_every_spec, gloo_world_sizes=(2,), timeout=600)
+trained = results_by_rank("trained", train_every_spec, gloo_world_sizes=(2,), timeout=600)
 
 
 @pytest.mark.parametrize("name", SPECS)
-def test_levers_on_train_exactly_like_one_process(replicas, name):
-    for rank, result in enumerate(replicas):
-        assert_trained_alike(result[name], replicas[0][name]["reference"], f"rank {rank}")
+def test_levers_on_train_exactly_like_one_process(trained, name):
+    for rank, result in enumerate(trained):
+        assert_trained_alike(result[name], trained[0][name]["reference"], f"rank {rank}")
 
 
 @pytest.mark.parametrize("name", SPECS)
-def test_the_backward_recomputes_the_checkpointed_blocks(replicas, name):
+def test_the_backward_recomputes_the_checkpointed_blocks(trained, name):
     config = SPECS[name].config()
     layers, checkpointed = config.num_layers, config.num_layers - config.checkpoint_keep
     blocks, _ = recomputed_blocks(checkpointed, config.checkpoint)
     assert blocks >= checkpointed
-    assert all(result[name]["block_calls"] == layers + blocks for result in replicas)
+    assert all(result[name]["block_calls"] == layers + blocks for result in trained)
 
 
-def test_training_moves_the_parameters_and_lowers_no_loss_to_nan(replicas):
+def test_training_moves_the_parameters_and_lowers_no_loss_to_nan(trained):
     """Guards the comparisons against a run in which nothing trains."""
-    reference = replicas[0]["every1"]["reference"]
+    reference = trained[0]["every1"]["reference"]
     torch.manual_seed(BASE.seed)
     initial = make_model(BASE.config(), torch.device("cpu"), PRECISIONS["fp32"])
     assert all(not torch.equal(reference["params"][name], p.detach()) for name, p in initial.named_parameters())

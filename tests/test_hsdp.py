@@ -179,18 +179,18 @@ def train_all() -> dict:
     return results
 
 
-replicas = results_by_rank("replicas", train_all, gloo_world_sizes=(4,), timeout=300, nccl_world_sizes=(4,))
+trained = results_by_rank("trained", train_all, gloo_world_sizes=(4,), timeout=300, nccl_world_sizes=(4,))
 
 
-def result_of(replicas: list, run: tuple) -> list:
-    if run not in replicas[0]:
+def result_of(trained: list, run: tuple) -> list:
+    if run not in trained[0]:
         pytest.skip(f"{run[1]} sums more than two terms per group in NCCL's order")
-    return [result[run] for result in replicas]
+    return [result[run] for result in trained]
 
 
 @pytest.mark.parametrize("run", RUNS, ids=map(run_id, RUNS))
-def test_matches_one_process_exactly(replicas, run):
-    results, reference = result_of(replicas, run), replicas[0][run[1:4]]
+def test_matches_one_process_exactly(trained, run):
+    results, reference = result_of(trained, run), trained[0][run[1:4]]
     for rank, result in enumerate(results):
         assert list(result["params"]) == list(reference["params"])
         for name, expected in reference["params"].items():
@@ -199,36 +199,36 @@ def test_matches_one_process_exactly(replicas, run):
 
 
 @pytest.mark.parametrize("run", RUNS, ids=map(run_id, RUNS))
-def test_every_rank_loses_what_one_process_loses_on_its_rows(replicas, run):
-    results, reference = result_of(replicas, run), replicas[0][run[1:4]]
+def test_every_rank_loses_what_one_process_loses_on_its_rows(trained, run):
+    results, reference = result_of(trained, run), trained[0][run[1:4]]
     for rank, result in enumerate(results):
         assert all(torch.equal(mine, every[rank]) for mine, every in zip(result["losses"], reference["losses"]))
 
 
-def test_training_moves_every_parameter(replicas):
+def test_training_moves_every_parameter(trained):
     """Guards the comparisons against a run in which nothing trains."""
     torch.manual_seed(SEED)
     initial = dict(TransformerLM(TRANSFORMER).named_parameters())
-    trained = replicas[0]["2x2", "fp32", "sgd"]["params"]
-    assert all(not torch.equal(trained[name], initial[name].detach()) for name in initial)
+    params = trained[0]["2x2", "fp32", "sgd"]["params"]
+    assert all(not torch.equal(params[name], initial[name].detach()) for name in initial)
 
 
 @pytest.mark.parametrize("run", [run for run in RUNS if run[0] == "ours"], ids=run_id)
-def test_bytes_sent_on_each_axis_match_the_accounting(replicas, run):
+def test_bytes_sent_on_each_axis_match_the_accounting(trained, run):
     """Every collective's bytes as the run issued them, per axis: what hsdp_traffic predicts, each of 3 steps."""
     _, layout, compute, _, gather = run
     predicted = hsdp_traffic(TRANSFORMER, PRECISIONS[compute], LAYOUTS[layout], gather)
     expected = {(axis, kind): STEPS * getattr(traffic, kind) for axis, traffic in predicted.items()
                 for kind in ("all_gather", "reduce_scatter", "all_reduce") if getattr(traffic, kind)}
-    for result in result_of(replicas, run):
+    for result in result_of(trained, run):
         assert {key: sent for key, sent in result["sent"].items() if sent} == expected
 
 
-def test_sharded_state_matches_the_accounting(replicas):
+def test_sharded_state_matches_the_accounting(trained):
     """Rank 0 holds the largest shards of its shard group: its parameters, gradients and AdamW moments are what
     hsdp_memory predicts (a shard of ceil(numel / 2), whatever the replicas)."""
     predicted = hsdp_memory(TRANSFORMER, ROWS_PER_RANK, SEQ, PRECISIONS["fp32"], LAYOUTS["2x2"], device="cpu")
-    state = result_of(replicas, ("ours", "2x2", "fp32", "adamw", "block"))[0]["state_bytes"]
+    state = result_of(trained, ("ours", "2x2", "fp32", "adamw", "block"))[0]["state_bytes"]
     assert state == {"params": predicted.params, "grads": predicted.grads, "optimizer": predicted.optimizer}
 
 

@@ -91,6 +91,7 @@ def test_the_graph_sees_every_kind_of_import(tmp_path):
     (root / "a").mkdir(parents=True)
     (root / "__init__.py").write_text("")
     (root / "a" / "__init__.py").write_text("")
-    (root / "a" / "x.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from systems.b import y\n")
+    (root / "a" / "x.py").write_text("from typing import TYPE_CHECKING\n"
+                                     "if TYPE_CHECKING:\n    from systems.b import y\n")
     (root / "b.py").write_text("def f():\n    from systems.a import x\n")
     assert cycle(import_graph(root)) == ["systems.a.x", "systems.b", "systems.a.x"]

@@ -92,30 +92,30 @@ def train_every_spec() -> dict:
     return results
 
 
-replicas = results_by_rank("replicas", train_every_spec, gloo_world_sizes=(WORLD_SIZE,), timeout=600,
-                           nccl_world_sizes=())
+trained = results_by_rank("trained", train_every_spec, gloo_world_sizes=(WORLD_SIZE,), timeout=600,
+                          nccl_world_sizes=())
 
 
 @pytest.mark.parametrize("name", SPECS)
-def test_every_layout_trains_exactly_like_one_process(replicas, name):
-    for rank, result in enumerate(replicas):
-        assert_trained_alike(result[name], replicas[0][name]["reference"], f"rank {rank}")
+def test_every_layout_trains_exactly_like_one_process(trained, name):
+    for rank, result in enumerate(trained):
+        assert_trained_alike(result[name], trained[0][name]["reference"], f"rank {rank}")
 
 
-def test_training_moves_every_parameter(replicas):
+def test_training_moves_every_parameter(trained):
     """Guards the comparisons against a run in which nothing trains."""
-    trained = replicas[0]["hsdp-2x2"]["params"]
+    params = trained[0]["hsdp-2x2"]["params"]
     torch.manual_seed(BASE.seed)
     initial = make_model(BASE.config("cpu"), torch.device("cpu"), PRECISIONS["fp32"])
-    assert all(not torch.equal(trained[name], p.detach()) for name, p in initial.named_parameters())
+    assert all(not torch.equal(params[name], p.detach()) for name, p in initial.named_parameters())
 
 
-def test_each_axis_replays_the_steps_collectives_on_its_own_groups(replicas):
+def test_each_axis_replays_the_steps_collectives_on_its_own_groups(trained):
     """Per axis, an untimed round and AXIS_ROUNDS timed ones of that axis's collectives, in order, each on this
     rank's group along that axis (shard: (0, 1), (2, 3); replicate: (0, 2), (1, 3)), of the step's sizes; a time
     for each axis."""
     layout = AXIS_SPEC.layout_for(WORLD_SIZE)
-    for rank, result in enumerate(replicas):
+    for rank, result in enumerate(trained):
         replayed = result["axes"]
         group = {axis: next(g for g in layout.groups((axis,)) if rank in g) for axis in ("shard", "replicate")}
         expected = [(c.kind, group[axis], c.numel) for axis in ("shard", "replicate")
@@ -125,8 +125,8 @@ def test_each_axis_replays_the_steps_collectives_on_its_own_groups(replicas):
         assert all(seconds > 0 for seconds in replayed["axis_seconds"].values())
 
 
-def test_a_layout_that_does_not_fit_the_group_fails_on_every_rank_naming_both(replicas):
-    assert all(result["mismatch"] == "hsdp's layout 2x3 has 6 ranks; this process group has 4" for result in replicas)
+def test_a_layout_that_does_not_fit_the_group_fails_on_every_rank_naming_both(trained):
+    assert all(result["mismatch"] == "hsdp's layout 2x3 has 6 ranks; this process group has 4" for result in trained)
 
 
 @pytest.mark.parametrize("text, layout", [("2x2", Layout(2, 2)), ("1x4", Layout(shard=4)), ("4X1", Layout(4)),
@@ -161,4 +161,4 @@ def test_a_layout_is_checked_against_the_variant_when_the_spec_is_made(fields, m
 ])
 def test_the_other_variants_lay_out_every_rank_along_their_own_axis(variant, world_size, layout):
     assert TrainSpec(variant=variant).layout_for(world_size) == layout
-    assert Variant(variant).over_the_world(world_size) == layout
+    assert Variant(variant).world_layout(world_size) == layout

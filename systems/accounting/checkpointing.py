@@ -1,30 +1,11 @@
 """Activation checkpointing's arithmetic: what autograd keeps of the blocks, what one block's backward holds, and
 what the backward recomputes, for `TransformerConfig.checkpoint`'s segment sizes (outermost first).
 
-torch.utils.checkpoint (non-reentrant, as systems.model runs it) keeps a segment's input and none of what its
-blocks save. The backward recomputes a segment when it first needs one of those tensors, and stops recomputing
-at the last tensor it must save again (torch's early stop): an innermost segment's last matmul (w2) is not run
-again, and an outer segment's recomputation ends on saving its last inner segment's input. Recomputed tensors
-are freed block by block as the backward consumes them.
-
-The two-level scheme with the least peak. With L blocks of A bytes each and segment inputs of r bytes (one
-residual-stream tensor), one level of k-block segments holds at most L/k inputs plus one segment's k blocks, so
-its activation peak is about (L/k) r + k A, least at k = sqrt(L r / A). Two levels, K-block segments each
-recomputed as k-block ones, hold L/K outer inputs, K/k inner ones and k blocks: (L/K + K/k) r + k A, least at
-k = (L r^2 / A^2)^(1/3) and K = sqrt(L k). For the presets A is tens of r (written-out attention's seq^2
-scores make it more), so k = 1 and K is near sqrt(L): the peak falls from L r + A to 2 sqrt(L) r + A, paid for
-with a second recomputation of the blocks. Sizes are integers, segments at the ends are shorter and gradients
-accumulate during the backward, so `least_peak_levels` evaluates every (K, k) on the exact model instead of
-rounding the continuous optimum. Where the gradients outgrow the kept inputs (fp32 weights of the large presets)
-the peak is in the bottom block's backward, where every scheme with k = 1 holds one block and nearly all the
-gradients: nesting cannot lower it there, and ties go to the scheme that recomputes least.
-
-Selective checkpointing (systems.recompute). Leaving the top `keep` blocks out keeps their activations from the
-forward on, but their backward runs first and frees them before the checkpointed blocks' backward begins: the
-peak grows only where it was at the top of the backward or at the end of the forward, and the recomputation
-shrinks by keep / L. Op-level selection keeps, of each one-block segment, its attention kernel's outputs, or
-those and its matmuls', which the recomputation then takes instead of running them (the matmuls' FLOPs leave it;
-the last matmul's output is kept but never taken, the recomputation stopping before it).
+It follows torch.utils.checkpoint (non-reentrant, as systems.model runs it) and its early stop. `kept_inputs`,
+`inputs_in_forward` and `segment_starts` count the segment inputs alive, `held_in_backward` the activations a
+block's backward holds (selective checkpointing's too), `recomputed_blocks` what the backward runs again, and
+`least_peak_levels` the two-level sizes (K, k) of least peak, evaluating every pair on the exact model.
+docs/design-notes.md has the derivation of the two-level optimum and of selective checkpointing's cost.
 """
 
 from __future__ import annotations

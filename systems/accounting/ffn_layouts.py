@@ -2,46 +2,10 @@
 layer laid out over devices by data parallelism (DP), FSDP, tensor parallelism (TP) and FSDP x TP; each device's
 matmul FLOPs, the bytes it sends, and how many devices a layout takes before communication outlasts the math.
 
-The layer (handout eqs. 20-23): x is (B, D); x1 = x W1 and x2 = x W2 with W1, W2 (D, F); z = f(x1) * x2;
-y = z W3 with W3 (F, D). Weights, activations and gradients have b bytes per element (the handout: FP16, b = 2).
-A device does C FLOP/s and sends W bytes/s (its egress). Only matmuls count, an (m, k) @ (k, n) product being
-2mkn FLOPs: the forward is three of 2BDF, 6BDF; the backward (eqs. 24-30: dz, dx's two products, dW1, dW2, dW3)
-six, 12BDF. Every layout splits them evenly, so each of N devices does 6BDF/N forward and 12BDF/N backward.
-
-Ring collectives over N devices of a tensor of S bytes (the whole tensor: all-gather's output, reduce-scatter's
-input on each device, all-reduce's): in each of N-1 steps a device sends one S/N chunk to its neighbour,
-    all-gather, reduce-scatter                   (N-1)/N S bytes sent,   (N-1)/N S/W seconds;
-    all-reduce = reduce-scatter + all-gather   2 (N-1)/N S bytes,      2 (N-1)/N S/W;
-    the alternate ring all-reduce (each of the N-1 steps passes a whole x^(i) on and adds the one received):
-                                                 (N-1) S bytes,          (N-1) S/W, N/2 times the ring's.
-A pass's collectives on one axis of devices run one after another; a pass is communication-bound when they take
-longer than its math (overlapped with the math, they can hide behind it, no more).
-
-DP over N (eqs. 31-33): B/N rows and all of every weight on each device; the backward all-reduces dW1, dW2, dW3
-(S = bDF each), the forward nothing:
-    2 (N-1)/N 3bDF/W <= 12BDF/(NC)   <=>   N <= 1 + 2BW/(bC),   or per device   B/N >= bC/(2W) (N-1)/N.
-FSDP over N (eqs. 34-44): the weights sharded too; the forward all-gathers W1, W2, W3, the backward all-gathers
-them again and reduce-scatters their gradients:
-    forward (N-1)/N 3bDF/W <= 6BDF/(NC), backward 2 (N-1)/N 3bDF/W <= 12BDF/(NC): both N <= 1 + 2BW/(bC).
-TP over N (eqs. 47-51): W1 and W2 split by columns, W3 by rows (F/N of F each), x whole on every device; the
-forward all-reduces y's partial sums, the backward dx's (dx^(i) = dx1^(i) W1^(i)T + dx2^(i) W2^(i)T), S = bBD:
-    forward 2 (N-1)/N bBD/W <= 6BDF/(NC)    <=>   N <= 1 + 3FW/(bC);
-    backward 2 (N-1)/N bBD/W <= 12BDF/(NC)  <=>   N <= 1 + 6FW/(bC).
-FSDP x TP over N = N_F N_T (eqs. 52-59): B/N_F rows on each FSDP rank, each TP rank's F/N_T slice of the weights
-sharded N_F ways; the forward all-gathers the slices over the FSDP axis (S = 3bDF/N_T in all) and all-reduces y
-over the TP axis (S = bBD/N_F):
-    T_F = (N_F-1)/N_F 3bDF/(N_T W),   T_T = 2 (N_T-1)/N_T bBD/(N_F W),   math 6BDF/(N_F N_T C).
-  Axes overlapped (each with its own links, as on a 2D torus): max(T_F, T_T) <= math, two conditions apart,
-    N_F <= 1 + 2BW/(bC) and N_T <= 1 + 3FW/(bC):   N <= (1 + 2BW/(bC)) (1 + 3FW/(bC)) ~ 6BFW²/(b²C²).
-  Not overlapped: T_F + T_T <= math, i.e. 3bF N_F + 2bB N_T <= K with K = 6BFW/C + 3bF + 2bB; the product under
-  that line is largest where 3bF N_F = 2bB N_T = K/2:   N <= K²/(24b²BF) ~ 3BFW²/(2b²C²), a quarter of the above
-  (unless that puts an axis below one device: then it has one, and the other axis its own bound).
-  The backward all-gathers and reduce-scatters on the FSDP axis (twice the forward's bytes over twice its math)
-  and all-reduces dx on the TP axis (the same bytes over twice the math): it asks no more than the forward.
-
-With a measured C and W:  `fsdp_step(SwiGLULayer(B, D, F), n).backward.comm_seconds(Accelerator(C, W))`,
-`largest_fsdp_devices(layer, device).step`, `largest_fsdp_tp_grid(layer, device, overlap_axes=True).devices`.
-(Equation numbers: handout 26.1.3.)
+`SwiGLULayer(B, D, F)` and `Accelerator(C, W)` (matmul FLOP/s, egress bytes/s) are the inputs; `dp_step`,
+`fsdp_step`, `tp_step` and `fsdp_tp_step` give a layout's `StepCost` (each pass's FLOPs and ring collectives), and
+`largest_dp_devices`, `largest_fsdp_devices`, `largest_tp_devices` and `largest_fsdp_tp_grid` the most devices
+before a pass is communication-bound. docs/design-notes.md has the derivation (handout eqs. 20-59).
 """
 
 from __future__ import annotations

@@ -2,22 +2,11 @@
 measured compute, the bytes each layout's collectives send on each axis (traffic.py), a measured intra-node
 bandwidth and an assumed inter-node one.
 
-The model, per GPU, every GPU keeping its batch as nodes are added:
-- Compute: one GPU's step alone, measured (`Compute`: forward, backward and optimizer seconds). A sharded layout
-  steps 1/S of the optimizer state, so its optimizer takes optimizer_s / S.
-- Links: an axis's collectives run at the bandwidth of the slowest link its groups cross: inside a node
-  (NVLink) when every group of the axis lies within one node, else across nodes (the GPU's share of the NICs).
-  A bandwidth is the bytes a GPU sends per second in a ring, nccl-tests' bus bandwidth (an H100 node's NVLink
-  all-reduces at ~330 GB/s of it; InfiniBand gives a GPU 25 or 50 GB/s), so an axis's time is what traffic.py
-  counts it sending divided by its link's bandwidth.
-- Passes: within a pass the collectives on one link follow one another, and different links run at once, so a
-  pass communicates for its busiest link's time. Communication hides behind its pass's compute (the gathers
-  prefetched in the forward; the backward's reduce-scatters and all-reduces issued as gradients are made): what
-  exceeds it is exposed, max(0, comm - compute) per pass.
-- step = forward + backward + optimizer + exposed forward + exposed backward.
-Latency is left out (bandwidth only): a ring's latency grows with its length, which at many nodes favors HSDP's
-shorter rings further. The layouts: DDP, DDPBucketed over every GPU (Layout(replicate=N G)); FSDP over every GPU
-(Layout(shard=N G)); HSDP sharded inside each node, replicated across nodes (Layout(replicate=N, shard=G)).
+`predict_layouts(config, precision, cluster, links, compute)` gives each strategy's `LayoutStep` on a `Cluster`, from
+a measured `Compute` and the `Links`' bus bandwidths inside and across nodes; `predict_step` is one layout's,
+`strategy_layout` and `link_of` say where its groups lie, and `fastest` picks the shortest step. Bandwidth only, no
+latency: step = forward + backward + optimizer (/ S when sharded) + the communication each pass does not hide.
+docs/design-notes.md has the model.
 """
 
 from __future__ import annotations

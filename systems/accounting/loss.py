@@ -1,18 +1,9 @@
 """The LM head and loss's memory (systems.loss): what they keep for the backward, and what they make and free inside
-the forward and the backward, for each of the three ways the model computes its loss:
+the forward and the backward, for each of the three ways the model computes its loss: whole, chunked and fused.
 
-- whole (`loss_chunk` None, no fused loss): the head's matmul makes all the logits, which cross_entropy upcasts
-  to fp32 and keeps three of (the upcast, its exponentials, the logits less their maximum);
-- chunked (`loss_chunk`): `chunk` tokens' logits at a time, upcast to fp32 and freed; the backward makes each
-  chunk's logits again from the hidden states and the log-sum-exps, the forward's only saved tensors;
-- fused (`fused` with the loss): as chunked (one chunk of every token unless `loss_chunk` is given), with the
-  softmax in Triton kernels that read the logits in the compute dtype and overwrite them with their gradient:
-  no fp32 copy of them.
-
-The chunked losses work with autocast off and cast the weight themselves, once in the forward and once in the
-backward: the copy the head's matmul would keep under autocast is made twice and kept by neither. Per-token
-vectors the losses make and free (a chunk's log-sum-exps, the targets' indices) are left out where a chunk's
-logits are alive beside them.
+`loss_memory(config, tokens, ...)` gives a `LossMemory` (bytes saved, and made inside the forward, the backward and
+under no_grad); `chunks_the_loss(config)` says whether the model's loss is chunked_cross_entropy's.
+docs/design-notes.md has what each way holds.
 """
 
 from __future__ import annotations

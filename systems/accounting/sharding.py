@@ -1,45 +1,10 @@
 """Per-rank memory of a training step under our FSDP (systems.parallel.fsdp), as executable arithmetic.
 
-Between steps a rank holds its shards (ceil(numel / N) elements of every Linear and Embedding weight, in the
-weights' dtype: the fp32 masters), the replicated parameters whole, the buffers (RoPE tables) and AdamW's
-state of both. FSDP gathers and reduce-scatters in groups (its `gather`): a layer's weight, or a block's five.
-A step adds, at each moment, four things (`Moment`), and its peak is the largest moment:
-
-- gradients: the shards' gradients, each made when its reduce-scatter is waited for, so they accumulate
-  through the backward (the replicated parameters' are made whole and are tiny);
-- gathered weights, in the compute dtype and padded to N chunks: in the forward the group computing and the
-  `prefetch` after it; in the backward what is left of the group whose gradients are being made and the
-  `prefetch` groups after it in the backward's order (the forward's, reversed, without the embedding, which
-  saves no weight). A
-  recomputation keeps its layers' weights, as autograd saves them, until each layer's backward has used them:
-  while a block's backward runs, every block of its innermost segment recomputed so far is gathered, all but
-  its own w2, whose gradient came first; what it prefetched stays inside its segment, so it is among them by
-  then. Nothing is prefetched for a recomputation before it starts: FSDP's backward order holds only the
-  weights it saved itself, so the LM head's backward gathers the head alone;
-- gradients in flight: a weight's full-size gradient in the compute dtype from its matmul until its group's
-  reduce-scatter is waited for, with two groups waiting at once (levers.sharding.REDUCE_SCATTERS_IN_FLIGHT), each beside
-  its chunks of the result; gloo's reduce-scatter (device "cpu") moves every chunk to its rank first, into one
-  more full-size buffer;
-- activations: a model whose weights are in the compute dtype saves them (`bf16-weights`' activations for
-  bf16 compute, the residual stream in bf16), plus the casts of the fp32 RoPE tables; with checkpointing,
-  the segment inputs and one recomputed segment (checkpointing.held_in_backward); the loss's whole logits,
-  or with `loss_chunk` (or the fused loss) one chunk's logits at a time and its fp32 gradient of the LM head
-  (loss.py).
-
-HSDP (`hsdp_memory`, a Layout of replicas x shards) is FSDP over the shard group (shards of ceil(numel / shard))
-with one more stage: a group's chunks, once reduce-scattered, are concatenated and all-reduced over the replicas
-(two groups at once, after the two reduce-scatters in flight), and only then added to the shards' gradients; gloo's
-all-reduce gathers the replicas' copies of them first (replicate more of them).
-
-The moments are where one of them peaks: the forward's end (the loss, inside the LM head's call), the loss's
-backward, the LM head's weight gradient, each block's backward (inside SwiGLU's, where the product's two
-gradients are made, as in transformer.peak_memory), the embedding's gradient (the backward's end, every
-other gradient made) and the optimizer step. Written-out attention's seq² backward is not among them: the
-model is for "sdpa" and "flash" attention. Nor is the top block's forward, where a deep prefetch holds the
-LM head and the block's weights: it outgrows the forward's end only where they outweigh the loss's logits.
-With block groups, nor are a block's first layer in the forward and its w2's backward, where the whole block
-is gathered beside those prefetched: w2's weight more than the block's backward moment, with fewer
-activations.
+`fsdp_memory` (FSDP over the world) and `hsdp_memory` (a Layout of replicas x shards) give a `ShardedMemory`: what a
+rank holds between steps (its shards, the replicated parameters, the buffers, AdamW's state) and the `Moment`s of a
+step, each the gradients, gathered weights, gradients in flight and activations held where one of them peaks; the
+step's peak is the largest moment. `sharded_weights` and `block_weights` count the weights FSDP shards.
+docs/design-notes.md has the derivation: what each moment holds, and which moments are left out and why.
 """
 
 from __future__ import annotations

@@ -3,23 +3,8 @@ arithmetic: the collectives of a step of FSDP/HSDP on the shard and replicate ax
 replicate axis, one `StepCollective` each (`fsdp_collectives`, `ddp_collectives`: what bench_layouts times axis
 by axis), summed by `axis_traffic` (`hsdp_traffic`, `ddp_traffic`).
 
-A collective over n ranks is counted as the ring algorithm sends it (NCCL's, and the bus bandwidth nccl-tests
-reports): an all-gather or a reduce-scatter of chunks of c elements sends (n - 1) chunks, (n - 1) * c elements;
-an all-reduce of m elements reduce-scatters and all-gathers chunks of ceil(m / n), 2 (n - 1) ceil(m / n). A
-group of one sends nothing. Gloo's rank-ordered versions (systems.parallel.collectives) send as much for the
-all-gather and the reduce-scatter (an all-to-all), and (n - 1) m for an all-reduce (an all-gather).
-
-Per step of FSDP over the shard group of S ranks, replicated over R (HSDP; FSDP is R = 1, DDP-like S = 1), on the
-Transformer LM:
-- shard axis: every sharded weight all-gathered in the compute dtype in the forward, and again in the backward
-  but the embedding's (it saves no weight; a checkpointed block's are gathered once, for its recomputation, so
-  the count holds with checkpointing too); every weight's gradient reduce-scattered in the compute dtype; the
-  replicated parameters' (norm gains') gradients all-reduced in their own dtype, packed flat;
-- replicate axis: each gather group's chunks of the reduce-scattered gradients (ceil(numel / S) elements of each
-  of its weights) all-reduced in the compute dtype, one collective per group; the replicated parameters'
-  gradients all-reduced again.
-DDPBucketed (Layout(replicate=N)): every gradient all-reduced in its own dtype (the weights'), in the buckets
-`systems.levers.buckets.fill_buckets` makes of the parameters in reverse order, one all-reduce each, in backward.
+A collective is counted as the ring algorithm sends it (`gather_bytes`, `all_reduce_bytes`: NCCL's count, and the
+bus bandwidth nccl-tests reports). docs/design-notes.md has the counts and what each axis sends.
 """
 
 from __future__ import annotations

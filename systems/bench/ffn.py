@@ -1,19 +1,10 @@
 """What bench_ffn measures on every rank: one SwiGLU layer's step under a layout (systems.parallel.swiglu), beside
 its math alone and its collectives alone, and the collectives' bandwidth that calibrates the handout's W.
 
-`time_ffn` (on each rank) times, over `rounds` after `warmup` steps, each with the clock of
-systems.parallel.meters (CUDA events on a GPU, the host clock on a CPU) and a barrier before each round:
-- the step: forward, then backward with the gradients' synchronization (`finish`), as the layout runs it;
-- its compute alone: the same rank's matmuls (a plain SwiGLU of its rows and its d_ff share), no collective;
-- its communication alone: the collectives the handout's layout issues per pass (systems.accounting.ffn_layouts,
-  the same sizes and groups) through systems.parallel.collectives, issued back to back and waited at the end;
-- the whole layer on this device (B rows, all of d_ff): C, its matmuls' FLOP/s (18 B D F a step);
-and counts the bytes each pass sent in one untimed step (systems.parallel.issued). Exposed communication is what
-the step took beyond its compute alone (step - compute, at least 0): the communication overlap did not hide.
-
-`time_bandwidth` measures W: each of all-reduce, all-gather and reduce-scatter of `size_mb` MiB over the world,
-`LOOP_CALLS` back to back per round, as nccl-tests does; W = the bytes a rank sends in one (the ring's count) /
-its time, which is nccl-tests' bus bandwidth.
+`time_ffn` times, each round after `warmup` steps, the step, its compute alone, its communication alone (the
+collectives of the layout's `handout_cost`) and the whole layer on this device (C), and counts the bytes each pass
+sent. `time_bandwidth` measures W as nccl-tests' bus bandwidth, `LOOP_CALLS` collectives of each kind back to back
+a round; `medians` reduces the ranks' rounds. docs/design-notes.md has what each timing covers.
 """
 
 from __future__ import annotations

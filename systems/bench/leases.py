@@ -1,19 +1,10 @@
 """Sharing one host between pytest-xdist workers: each worker's GPUs and cores, and GPU leases.
 
-`pytest -n N` on a host of G GPUs and C cores:
-- Threads: every worker runs torch with C // N threads (at least one), and as many Inductor compile workers,
-  set before torch starts its pools; the ranks a test spawns divide their worker's share again
-  (systems.parallel.ranks), and an inner pytest run inherits it through OMP_NUM_THREADS. Without this each of
-  them would run as many threads as the host has cores, N times over, and start a pool of up to 32 compile
-  processes on its first torch.compile.
-- GPUs: worker w sees every GPU, its home GPU first (`worker_gpus`), so code that uses cuda:0 runs on its home.
-- Leases: an item that runs on GPUs holds them alone while it runs, one lock file per GPU: one GPU (its
-  home) for a test that uses the `device` fixture or is marked `gpu`, n GPUs from its home on for one marked
-  `multigpu(n)` (the ranks it spawns see exactly those), and, for a benchmark that needs no GPU, all of them:
-  its CPU timing must not share the host. Locks are taken in ascending GPU order, so no two leases wait on
-  each other, and any mix of items runs under any N.
-- The host: every item holds it shared, and an item of the timing tier holds it alone (`host_lease`), so no
-  other item runs beside a check of timings.
+Under `pytest -n N`, `share_host_with_other_workers` gives each worker its share of the cores for torch's threads
+and Inductor's compile workers (`thread_share`) and puts its home GPU first (`worker_gpus`). An item that runs on
+GPUs holds them alone while it runs (`lease_size` says how many; `GpuLocks` takes one lock file per GPU, in
+ascending order, so no two leases wait on each other), and an item of the timing tier holds the host alone
+(`host_lease`). docs/design-notes.md has the rules in full.
 """
 
 from __future__ import annotations

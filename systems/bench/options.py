@@ -21,7 +21,7 @@ from systems.levers.checkpointing import Checkpointing
 from systems.levers.sharding import Gather, check_prefetch
 from systems.levers.variant import Variant
 from systems.model import DEFAULT_EDITION, EDITIONS, Attention, Fused
-from systems.parallel.ranks import BACKENDS
+from systems.parallel.ranks import GROUP_BACKENDS
 from systems.parallel.spec import data_layout
 from systems.parallel.swiglu import FFNLayout
 from systems.precision import DTYPES, Precision, get_precision
@@ -82,7 +82,7 @@ def _leaderboard_model(text: str) -> str:
     return _one_of(("ours", "cs336_basics"), "model")(text)
 
 
-def _over_the_world(text: str) -> Variant:
+def _world_variant(text: str) -> Variant:
     """A variant that shares the step over every rank: the layouts of hsdp and torch-hsdp are bench_layouts'."""
     variant = Variant(text)
     if variant.meshed:
@@ -90,7 +90,7 @@ def _over_the_world(text: str) -> Variant:
     return variant
 
 
-def _typed(parse: Callable[[str], object]) -> Callable[[str], object]:
+def _as_option_type(parse: Callable[[str], object]) -> Callable[[str], object]:
     """argparse's type: the parser's ValueError becomes argparse's usage error, naming the option."""
     def typed(text: str):
         try:
@@ -102,7 +102,7 @@ def _typed(parse: Callable[[str], object]) -> Callable[[str], object]:
 
 def _list(parse: Callable[[str], object], empty: bool = False) -> Callable[[str], list]:
     """A comma-separated list of `parse`'s values; empty only where `empty` says it means none."""
-    item = _typed(parse)
+    item = _as_option_type(parse)
 
     def parse_list(text: str) -> list:
         values = [item(part) for part in text.split(",") if part.strip()]
@@ -174,7 +174,7 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
     "distributed benchmarks": ("bench_allreduce, bench_ddp, bench_fsdp, bench_layouts, bench_fullstep; defaults fit "
                                "a laptop CPU (gloo, 2 ranks; bench_layouts 4)", [
         Option("--world-sizes", _positive(int), "2", "numbers of ranks, e.g. 2,4,8", many=True),
-        Option("--allreduce-backends", _one_of(BACKENDS, "backend"), "gloo",
+        Option("--allreduce-backends", _one_of(GROUP_BACKENDS, "backend"), "gloo",
                "gloo (CPU tensors) and/or nccl (one GPU per rank)", many=True),
         Option("--allreduce-sizes-mb", _positive(float), "1,10", "float32 tensor sizes in MiB, e.g. 1,10,100,1024",
                many=True),
@@ -187,13 +187,13 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
                "layer, e.g. 1,2,5", many=True),
         Option("--fsdp-gather", Gather, "block", "what one of our FSDP's collectives covers: layer (each weight, "
                "the handout's) and/or block (a Transformer block's weights, FSDP2's)", many=True),
-        Option("--layouts", data_layout, "2x2", "bench_layouts' replicas x shards (HSDP, ours and torch's), e.g. 2x2,2x4; "
-               "each layout's N ranks also run as DDP (N x 1) and FSDP (1 x N)", many=True),
+        Option("--layouts", data_layout, "2x2", "bench_layouts' replicas x shards (HSDP, ours and torch's), e.g. "
+               "2x2,2x4; each layout's N ranks also run as DDP (N x 1) and FSDP (1 x N)", many=True),
         Option("--layout-preset", _name, "tiny", "model preset of bench_layouts; the issue's point: xl on 4 GPUs"),
         Option("--fullstep-preset", _name, "leaderboard-2026-tiny",
                "bench_fullstep's model; the issue's: leaderboard-2026 (with --contexts 32768 --batch-size 1 "
                "--precisions bf16 --loss-chunk 4096)"),
-        Option("--fullstep-variants", _over_the_world, "fsdp", "how bench_fullstep's ranks share the step, e.g. "
+        Option("--fullstep-variants", _world_variant, "fsdp", "how bench_fullstep's ranks share the step, e.g. "
                "fsdp,fsdp2 (ours and torch's FSDP2 in one run); from "
                + ", ".join(variant for variant in Variant if not variant.meshed), many=True),
         Option("--loss-chunk", _loss_chunk, "48", "tokens per chunk of bench_fullstep's and bench_leaderboard's "
@@ -220,7 +220,8 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
                "over the ranks"),
         Option("--leaderboard-world-size", _positive(int), "2", "ranks (GPUs under NCCL); the handout's: 2"),
         Option("--leaderboard-precision", get_precision, "bf16", "the handout's: bf16"),
-        Option("--leaderboard-checkpoint", Checkpointing.parse, "none", "checkpointing schemes of our model", many=True),
+        Option("--leaderboard-checkpoint", Checkpointing.parse, "none", "checkpointing schemes of our model",
+               many=True),
         Option("--leaderboard-rep-ms", _positive(float), None, "do_bench's rep budget, ms; default the handout's "
                "30000 on a GPU, 20 on a CPU"),
         Option("--leaderboard-warmup-ms", _positive(float), None, "do_bench's warmup budget, ms; default the "
@@ -251,7 +252,7 @@ def add_options(parser) -> None:
     for name, (description, options) in GROUPS.items():
         group = parser.getgroup(name, description)
         for option in options:
-            parse = _list(option.parse, option.empty) if option.many else _typed(option.parse)
+            parse = _list(option.parse, option.empty) if option.many else _as_option_type(option.parse)
             default = None if option.default is None else parse(option.default)
             group.addoption(option.flag, type=parse, default=default, help=option.help)
 

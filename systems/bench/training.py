@@ -37,9 +37,9 @@ def spec_for(grid, **fields) -> TrainSpec:
     return TrainSpec(warmup=grid.warmup_steps, steps=grid.rounds, **fields)
 
 
-def train_in_ranks(benchmark, rank_pools, world_size: int, spec: TrainSpec, then=None) -> list[dict]:
-    """systems.parallel.train.train(spec, then) on every rank, its step times given to pytest-benchmark."""
-    ranks = rank_pools.run(world_size, BACKEND, train, spec, then)
+def train_in_ranks(benchmark, rank_pools, world_size: int, spec: TrainSpec, after_training=None) -> list[dict]:
+    """systems.parallel.train.train(spec, after_training) on every rank, its step times given to pytest-benchmark."""
+    ranks = rank_pools.run(world_size, BACKEND, train, spec, after_training)
     record_timings(benchmark, [rank["seconds"]["step"] for rank in ranks])
     return ranks
 
@@ -68,7 +68,7 @@ def gathered_mb(ranks: list[dict]) -> float | None:
 
 
 def step_breakdown(model, step) -> dict:
-    """`train`'s `then`: one more step profiled for where its GPU time goes (systems.bench.breakdown)."""
+    """`train`'s `after_training`: one more step profiled for where its GPU time goes (systems.bench.breakdown)."""
     return {"breakdown": profile_step(step).to_dict()} if torch.cuda.is_available() else {}
 
 

@@ -32,7 +32,7 @@ class Variant(Choice):
         """Takes a layout of replicas x shards: ours FSDP over a Mesh, torch's FSDP2 over a 2D DeviceMesh."""
         return self in (Variant.HSDP, Variant.TORCH_HSDP)
 
-    def over_the_world(self, world_size: int) -> Layout:
+    def world_layout(self, world_size: int) -> Layout:
         """The layout of a variant that takes none: one process; the DDP variants replicate over every rank, FSDP
         and FSDP2 shard over every rank."""
         if self == Variant.SINGLE:

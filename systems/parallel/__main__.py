@@ -3,18 +3,9 @@
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node 2 -m systems.parallel \\
         --preset small --variant bucketed --bucket-size-mb 25 --steps 10
 
-One option per TrainSpec field (`--bucket-size-mb` for bucket_size_mb), each parsed by TrainSpec with its
-lever's own parser: `--checkpoint every1` (none, everyK, KxK, nested), `--loss-chunk 4096` (or none),
-`--precision bf16`, `--fsdp-gather block`, `--variant hsdp --layout 2x2` (replicas x shards). Beside them, how
-the ranks run: `--backend`, `--timeout` (seconds any collective may wait, rendezvous included, before it fails
-the rank) and `--save-params FILE` (rank 0 saves the trained parameters there, whole: torch.load gives
-{name: tensor}).
-
-Several nodes (docs/multinode.md): one torchrun per node, the same c10d rendezvous endpoint on each, e.g. on two
-nodes of 4 GPUs `torchrun --nnodes 2 --nproc-per-node 4 --rdzv-backend c10d --rdzv-endpoint HOST:29500 -m
-systems.parallel --variant hsdp --layout 2x4`. Each rank dies with its launcher (a node that goes leaves no
-rank behind), and a rank that fails prints one line naming its rank and node before its traceback, so that the
-job's output says where it broke.
+One option per TrainSpec field (`--bucket-size-mb` for bucket_size_mb), each parsed with its lever's own parser;
+beside them `--backend`, `--timeout` and `--save-params FILE` say how the ranks run. On several nodes, one torchrun
+per node with the same c10d rendezvous endpoint (docs/multinode.md). docs/design-notes.md has the options' details.
 """
 
 from __future__ import annotations
@@ -32,7 +23,7 @@ import torch.distributed as dist
 
 from systems.choice import on_off
 from systems.parallel.parallelize import full_parameters
-from systems.parallel.ranks import BACKENDS, init_from_env
+from systems.parallel.ranks import GROUP_BACKENDS, init_from_env
 from systems.parallel.spec import TrainSpec
 from systems.parallel.train import train
 
@@ -82,14 +73,14 @@ def where() -> str:
 
 
 def _trained_parameters(model, step) -> dict:
-    """`train`'s `then`: the trained parameters, whole (a collective: every rank gathers)."""
+    """`train`'s `after_training`: the trained parameters, whole (a collective: every rank gathers)."""
     return {"params": full_parameters(model)}
 
 
 def parse_args(argv: list[str] | None) -> tuple[Launch, TrainSpec]:
     """How the ranks run and a TrainSpec; a bad lever is argparse's usage error, naming the option."""
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", choices=BACKENDS, default="nccl" if torch.cuda.is_available() else "gloo")
+    parser.add_argument("--backend", choices=GROUP_BACKENDS, default="nccl" if torch.cuda.is_available() else "gloo")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds a collective may wait (rendezvous included) before it fails the rank")
     parser.add_argument("--save-params", default=None, help="rank 0 saves the trained parameters here")

@@ -2,19 +2,10 @@
 one process can reproduce; and a clock for the time the compute stream spends waiting on them. Each runs over
 a process group (None: the world; a Mesh's axis for HSDP and TP).
 
-FSDP gathers and reduce-scatters several tensors at a time (a Transformer block's weights), so those two take
-lists; under NCCL they make one call of the process group's coalesced collective: one work object and one
-launch on the host, however many tensors (a call's host time is what FSDP's step is short of;
-docs/perf-notes.md). Gloo's coalesced all-gather crashed ranks of the CPU memory tests now and then (heap
-corruption, not reproduced outside them), so under gloo each tensor is its own call.
-Under NCCL each is one library call (or group) on NCCL's stream, a sum, divided by N on this rank once it arrives:
-on 2 ranks exactly (a + b) / 2, as one process computes it. (`ReduceOp.AVG` premultiplies each term by 1/N
-instead, which in fp16 drops the last bit of every subnormal gradient.) Gloo's reduce-scatter and all-reduce
-sum in ring order, which differs from chunk to chunk, so under gloo (CPU, where overlap buys nothing) a
-reduction moves every rank's contribution to where it is summed (all-to-all, or all-gather) and sums them there
-in rank order, then divides by N: the same arithmetic as one process accumulating per-rank gradients in rank
-order, at any number of ranks. Torch 2.13 renamed the tensor all-gather (`all_gather_single`) and warns on the
-old name; the GPU image's torch has only the old one.
+`all_gather` and `reduce_scatter_mean` take lists of tensors (one coalesced call under NCCL), `all_reduce_mean` and
+`all_reduce_sum` one tensor; each returns a `Pending` whose `wait()` completes it. A mean is a sum divided by N on
+this rank (not `ReduceOp.AVG`), and under gloo every reduction sums the ranks' contributions in rank order.
+`WaitClock` measures the compute stream's wait on them. docs/design-notes.md has the design.
 """
 
 from __future__ import annotations
@@ -34,15 +25,15 @@ class Pending:
     """Asynchronous collectives and what completes them once they have arrived (the division by N, and under
     gloo the rank-ordered sum before it)."""
 
-    def __init__(self, *works: dist.Work, then: Callable[[], None] | None = None):
-        self.works, self.then = works, then
+    def __init__(self, *works: dist.Work, on_arrival: Callable[[], None] | None = None):
+        self.works, self.on_arrival = works, on_arrival
 
     def wait(self) -> None:
         for work in self.works:
             work.wait()
-        if self.then is not None:
-            self.then()
-            self.then = None
+        if self.on_arrival is not None:
+            self.on_arrival()
+            self.on_arrival = None
 
 
 def all_gather(outputs: list[torch.Tensor], shards: list[torch.Tensor], name: str,
@@ -65,13 +56,14 @@ def reduce_scatter_mean(outputs: list[torch.Tensor], fulls: list[torch.Tensor], 
         if dist.get_backend(group) == "nccl":
             work = (group or dist.group.WORLD).reduce_scatter_tensor_coalesced(outputs, fulls,
                                                                                dist.ReduceScatterOptions())
-            return Pending(work, then=lambda: torch._foreach_div_(outputs, size))
+            return Pending(work, on_arrival=lambda: torch._foreach_div_(outputs, size))
         works, means = [], []
         for output, full in zip(outputs, fulls):
             chunks = torch.empty_like(full)  # chunk r: rank r's part of this rank's chunk
             works.append(dist.all_to_all_single(chunks, full, group=group, async_op=True))
             means.append((chunks.view(size, -1), output))
-        return Pending(*works, then=lambda: [_sum_in_rank_order(rows, output, mean=True) for rows, output in means])
+        return Pending(*works, on_arrival=lambda: [_sum_in_rank_order(rows, output, mean=True)
+                                                   for rows, output in means])
 
 
 def all_reduce_mean(tensor: torch.Tensor, name: str, group: dist.ProcessGroup | None = None) -> Pending:
@@ -90,10 +82,10 @@ def _all_reduce(tensor: torch.Tensor, name: str, group: dist.ProcessGroup | None
     with nvtx_range(f"all_reduce {name}"):
         if dist.get_backend(group) == "nccl":
             work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
-            return Pending(work, then=(lambda: tensor.div_(size)) if mean else None)
+            return Pending(work, on_arrival=(lambda: tensor.div_(size)) if mean else None)
         rows = tensor.new_empty(size * tensor.numel())
         work = _all_gather_single(rows, tensor.view(-1), group=group, async_op=True)
-        return Pending(work, then=lambda: _sum_in_rank_order(rows.view(size, -1), tensor.view(-1), mean))
+        return Pending(work, on_arrival=lambda: _sum_in_rank_order(rows.view(size, -1), tensor.view(-1), mean))
 
 
 def _sum_in_rank_order(rows: torch.Tensor, out: torch.Tensor, mean: bool) -> None:

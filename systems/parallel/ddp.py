@@ -1,28 +1,12 @@
 """Data-parallel wrappers: four ways to average gradients across ranks, from naive to overlapped.
 
-Every wrapper broadcasts rank 0's parameters and buffers at construction, so ranks may build the
-model from different seeds. A training step is `loss = f(ddp(x)); loss.backward();
-ddp.finish_gradient_synchronization(); optimizer.step()`; after it every rank holds the gradient
-of the mean loss over all ranks' batches, as one process training on the whole batch would.
-
-- `NaiveDDP`: one blocking all-reduce per parameter after backward.
-- `FlatDDP`: one all-reduce of all gradients packed into one flat buffer, after backward.
-- `DDPIndividualParameters`: an async all-reduce per parameter, launched by a post-accumulate-grad
-  hook as soon as backward has produced that gradient, so communication overlaps backward.
-- `DDPBucketed`: like the above, but gradients are packed into buckets of about `bucket_size_mb`
-  (filled in reverse parameter order, the order backward produces them) and each bucket is
-  all-reduced as soon as all its gradients exist.
-
-Parameters that get no gradient in a step (unused on some or all ranks) contribute zeros; one that
-got no gradient on any rank keeps `grad=None`, as in single-process training, so optimizers skip
-it. The overlapped variants launch their all-reduces strictly in order, so every rank issues the
-same sequence of collectives even when a parameter is unused on some ranks: that never hangs,
-it only delays the later launches to `finish_gradient_synchronization`.
-
-Gradients are all-reduced in their own dtype, the parameters' (autograd keeps them so): with bf16
-weights the all-reduces move half the bytes of fp32 ones, and the sum is rounded to bf16 as it
-accumulates (at every hop of a ring), as in torch's DistributedDataParallel. Each rank divides by
-the world size before the sum, which is exact for a power of two.
+`NaiveDDP` (a blocking all-reduce per parameter after backward), `FlatDDP` (one all-reduce of every gradient in a
+flat buffer), `DDPIndividualParameters` (an async all-reduce per parameter as backward makes its gradient) and
+`DDPBucketed` (the same per bucket of about `bucket_size_mb`); `make_ddp(variant, module, bucket_size_mb)` builds
+one by name (`VARIANTS`). Each broadcasts rank 0's parameters and buffers at construction. A step is
+`loss = f(ddp(x)); loss.backward(); ddp.finish_gradient_synchronization(); optimizer.step()`, after which every
+rank holds the gradient of the mean loss over all ranks' batches. docs/design-notes.md has the design: unused
+parameters, the order of collectives, and the gradients' dtype and rounding.
 """
 
 from __future__ import annotations

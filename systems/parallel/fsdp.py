@@ -1,47 +1,13 @@
 """Fully-sharded data parallelism: every rank keeps 1/N of each Linear and Embedding weight and gathers a
 layer's full weight only while that layer computes.
 
-`FSDP(module, compute_dtype=None, shard_policy=linear_or_embedding, prefetch=1, gather="block", mesh=None)`
-broadcasts rank 0's parameters and buffers, then replaces the weight of every module the policy picks (by
-default any module whose class is, or derives from, a class named `Linear` or `Embedding`: torch's, or another
-codebase's own) by this rank's flat shard: elements [rank * c, (rank + 1) * c) of the flattened weight, c =
-ceil(numel / N), so the last ranks' shards may be shorter or empty. N is the world, or with a `mesh`
-(systems.parallel.mesh) its shard axis: HSDP shards inside a shard group and replicates across the replicate
-axis; rank and N are then the shard group's, and the broadcast comes from the first rank of this rank's data
-group (replicate x shard: under tensor parallelism, the ranks holding the same TP shard). A weight two modules
-share (tied embedding and LM head) is one shard. Other parameters (norm gains, biases) stay whole on every rank;
-a sharded module's own (a Linear's bias) is cast to `compute_dtype` with its weight while the module runs, so
-its matmul sees one dtype. A step is `loss = f(fsdp(x)); loss.backward(); fsdp.finish_gradient_synchronization();
-optimizer.step()` with the optimizer over `fsdp.parameters()`: the shards and the replicated parameters.
-
-A group (systems.parallel.fsdp_units) is what one collective covers (`gather`): "layer", each weight alone (the
-handout's); "block", every layer's inside one element of an nn.ModuleList (FSDP2's unit, the default); or the
-layers inside each module a callable picks. A collective's host time hardly depends on its size, so per-layer
-collectives can leave the GPU waiting on the host (docs/perf-notes.md).
-
-Forward: before a group's first layer runs its full weights are all-gathered (cast to `compute_dtype` first,
-so the gather moves compute-dtype bytes; the fp32 shards stay the masters), and the all-gathers of the
-`prefetch` groups that ran after it in the previous forward are issued, to overlap this group's compute (at
-depth 1 a group's gather starts as the group two before it finishes). Float inputs of a sharded module are
-cast to `compute_dtype` too. After each layer its full weight is dropped: while the wrapped module runs, a
-saved-tensors hook stands a placeholder in for any tensor autograd keeps that lives in a gathered weight's
-storage. Backward: a placeholder gathers its group's saved weights again (the `prefetch` groups backward needs
-next are in flight, in the reverse of the forward's order; a recomputed segment prefetches as deep in forward
-order, never past its end) and each weight is dropped once every saved view of it has been used. A group's
-gradients, each summed over its uses, are reduce-scattered (averaged) in the compute dtype once the last is
-complete, with at most `REDUCE_SCATTERS_IN_FLIGHT` in flight; each rank adds its chunk to its shard's `.grad`
-in the shard's own dtype. Under HSDP a group's chunks, once reduce-scattered, are all-reduced (averaged) over the
-replicas in the compute dtype, as many in flight, before they are added: the mean over the replicas of the
-shard groups' means. `finish_gradient_synchronization()` waits for the last of them and all-reduces (averages)
-the replicated parameters' gradients over the shard group, then over the replicas, so they are identical on
-every rank.
-
-Every rank must run the same sharded modules in the same order (as with torch's FSDP): the gathers are
-collectives. Inside blocks compiled by torch.compile (TransformerConfig.compile) the hooks run eagerly, each a
-graph break between the block's graphs, the same every step (tests/test_compile.py), and selective
-checkpointing's dispatch modes do not see them. Autocast makes its own low-precision copy of an fp32 weight,
-which autograd then keeps; give `compute_dtype` instead. `gathered` (bytes of gathered weights alive, and their
-peak) and `gather_wait` (the compute stream's wait on all-gathers) are what the benchmark measures.
+`FSDP(module, compute_dtype=None, shard_policy=linear_or_embedding, prefetch=1, gather="block", mesh=None)` shards
+the weights the policy picks over the world or a mesh's shard axis (HSDP replicates over its replicate axis),
+all-gathers them a group at a time (systems.parallel.fsdp_units), `prefetch` groups ahead, and reduce-scatters their
+gradients. A step is `loss = f(fsdp(x)); loss.backward(); fsdp.finish_gradient_synchronization(); optimizer.step()`
+with the optimizer over `fsdp.parameters()`. Every rank must run the same sharded modules in the same order: the
+gathers are collectives. `get_fsdp`, `fsdp_on_after_backward` and `fsdp_gather_full_params` are the course's
+adapters. docs/design-notes.md has the design.
 """
 
 from __future__ import annotations
@@ -120,8 +86,8 @@ class FSDP(nn.Module):
             if compute_dtype is not None:  # its bias, say: cast while the module runs, as its weight is gathered
                 self._cast[submodule] = {name: p for name, p in submodule._parameters.items()
                                          if p is not None and p.is_floating_point()}
-            submodule.register_forward_pre_hook(_unseen(self._before))
-            submodule.register_forward_hook(_unseen(self._after))
+            submodule.register_forward_pre_hook(_eager_and_hidden_from_recompute(self._before))
+            submodule.register_forward_hook(_eager_and_hidden_from_recompute(self._after))
         self.units = list(units.values())
         self.groups = group_units(module, self.units, gather)
         self.shards = nn.ParameterList(unit.shard for unit in self.units)  # first in parameters()
@@ -217,10 +183,10 @@ class FSDP(nn.Module):
         self._prefetch(index + 1, end)
 
     def _after(self, module: nn.Module, args: tuple, output) -> None:
-        self._let_go(module)
+        self._restore_own_parameters(module)
         self._release(self._unit_of[module])
 
-    def _let_go(self, module: nn.Module) -> None:
+    def _restore_own_parameters(self, module: nn.Module) -> None:
         """The module's own parameters back in place of what it computed with."""
         module.weight = None
         module._parameters.update(self._cast.get(module, {}))
@@ -291,7 +257,7 @@ class FSDP(nn.Module):
                 self._reduce_scatter(unit.group)
             if unit.saved == 0:  # a recomputation that torch stopped early inside the module never ran `_after`
                 for module in unit.modules:  # which would drop the module's view of the gathered weight
-                    self._let_go(module)
+                    self._restore_own_parameters(module)
                 self._release(unit)
 
     def _reduce_scatter(self, group: Group) -> None:
@@ -372,7 +338,7 @@ class FSDP(nn.Module):
         return full
 
 
-def _unseen(hook: Callable) -> Callable:
+def _eager_and_hidden_from_recompute(hook: Callable) -> Callable:
     """A module hook run eagerly inside a compiled block (one graph break, the same every step), and out of sight of
     selective checkpointing's modes, which replay a block's ops in its recomputation, where the gathers differ (the
     forward prefetches past the block). Other modes (IssuedCollectives) still see the hook's ops."""

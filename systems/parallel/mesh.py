@@ -1,20 +1,11 @@
 """The process groups of a 3D layout of ranks (systems.levers.layout), along each axis.
 
 `Layout(replicate, shard, tensor)` splits world = replicate x shard x tensor ranks as torchtitan's ParallelDims
-does: rank = (r * shard + s) * tensor + t. Tensor-parallel ranks are adjacent (inside a node: TP all-reduces
-every block's activations, forward and backward), a shard group's next (FSDP all-gathers every weight), and the
-replicas farthest apart (across nodes: HSDP all-reduces only 1/shard of the gradients there, once a step).
-
-- FSDP over the world: `Layout(shard=N)`, FSDP's default without a mesh.
-- HSDP: `Layout(replicate=nodes, shard=gpus_per_node)`: shards inside a node, replicas across nodes.
-- DDP-like: `Layout(replicate=N)`: a shard group of one, whole weights, gradients all-reduced over the replicas.
-- TP with FSDP (2D): `Layout(shard=dp, tensor=tp)`: TP shards each block, FSDP shards each TP shard over dp.
-
-`Mesh(layout)` creates the process groups (every rank calls `dist.new_group` for every group of every axis, in
-the same order, as torch requires; a group spanning the world is the world's) and holds this rank's `Axis` on
-each: `replicate`, `shard`, `tensor`, and `data` (replicate x shard: the ranks that split the batch and hold
-the same TP shard). `device_mesh(layout)` is torch's DeviceMesh of the same layout, for FSDP2 and torch's TP;
-`TorchHSDP` is FSDP2 over it with the interface of our wrappers.
+does, rank = (r * shard + s) * tensor + t: tensor-parallel ranks adjacent, replicas farthest apart.
+`Mesh(layout)` creates the process groups on every rank in the same order and holds this rank's `Axis` on each:
+`replicate`, `shard`, `tensor`, and `data` (replicate x shard). `device_mesh(layout)` is torch's DeviceMesh of the
+same layout, for FSDP2 and torch's TP; `TorchHSDP` is FSDP2 over it with the interface of our wrappers.
+docs/design-notes.md has why the axes are ordered so, and the layouts for FSDP, HSDP, DDP and 2D.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ class PhaseClock:
         return [end - start for start, end in zip(self.marks, self.marks[1:])]
 
 
-class PeakMemory:
+class PeakMeter:
     """Peak MiB allocated on a GPU between a reset and each named moment; nothing elsewhere."""
 
     def __init__(self, device: torch.device):

@@ -34,7 +34,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-BACKENDS = ("gloo", "nccl")
+GROUP_BACKENDS = ("gloo", "nccl")
 REPORT_GRACE = 1.0  # seconds; see _collect
 
 
@@ -194,8 +194,8 @@ def rank_device() -> torch.device:
 
 
 def _check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; choose from {BACKENDS}")
+    if backend not in GROUP_BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; choose from {GROUP_BACKENDS}")
 
 
 def _check_group(world_size: int, backend: str, timeout: float) -> None:

@@ -3,8 +3,9 @@
 A lever arrives as text (an option, torchrun's command line) or as its object; `TrainSpec` turns text into the
 object with the lever's own parser (`get_precision`, `Attention`, `Fused`, and systems.levers' `Variant`,
 `Optimizer`, `Gather`, `Checkpointing.parse`; `data_layout` here), and keeps the object. Whether a layout fits
-the process group is checked where the group exists (`layout_for`, called by `train`). `parallelize` (systems.parallel.parallelize) and `train`
-(systems.parallel.train) read it; it imports nothing of torch.distributed, so reading a history does not.
+the process group is checked where the group exists (`layout_for`, called by `train`). `parallelize`
+(systems.parallel.parallelize) and `train` (systems.parallel.train) read it; it imports nothing of
+torch.distributed, so reading a history does not.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class TrainSpec:
     fsdp_prefetch: int = DEFAULT_PREFETCH  # our FSDP's all-gathers in flight ahead of the computing layer
     fsdp_gather: Gather = DEFAULT_GATHER  # our FSDP's collectives: one per layer's weight, or one per block
     # hsdp and torch-hsdp's replicas x shards ("2x2": two replicas, each sharded over two ranks); the other
-    # variants take none (they share the step over the whole world: `Variant.over_the_world`).
+    # variants take none (they share the step over the whole world: `Variant.world_layout`).
     layout: Layout | None = None
 
     def __post_init__(self):
@@ -76,7 +77,7 @@ class TrainSpec:
 
     def layout_for(self, world_size: int) -> Layout:
         """This run's layout on a process group of `world_size` ranks, which must be as many as it has."""
-        layout = self.layout or self.variant.over_the_world(world_size)
+        layout = self.layout or self.variant.world_layout(world_size)
         if layout.world_size != world_size:
             raise ValueError(f"{self.variant}'s layout {layout} has {layout.world_size} ranks; this process group "
                              f"has {world_size}")

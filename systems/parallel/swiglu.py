@@ -2,29 +2,11 @@
 systems.accounting.ffn_layouts counts): x (B, D), y = w2(silu(w1 x) * w3 x) with w1, w3 (F, D) and w2 (D, F)
 (the handout's W1, W2, W3 are our w1, w3, w2: docs/parallel-layouts.md).
 
-`lay_out(placement, batch, d_model, d_ff, dtype, device)` builds this rank's part of the layer from one seed (the
-same full layer on every rank) and says which rows of the global batch it takes. A step is
-`y = laid.module(x[laid.rows]); y.backward(dy[laid.rows]); laid.finish()`; x requires its gradient, as inside a
-network, so the backward does the handout's six matmuls. Each layout is our own code where it exists:
-
-- single: the whole layer on one device.
-- dp: B/N rows, the whole layer, in `dtype`; DDPIndividualParameters (systems.parallel.ddp) all-reduces each
-  weight's gradient as backward makes it.
-- fsdp: B/N rows; our FSDP (systems.parallel.fsdp, gather="layer": the handout's one collective per weight) with
-  fp32 shards (float64 to compute in float64) and `dtype` compute: each pass all-gathers w1, w3, w2 in `dtype`,
-  the backward reduce-scatters their gradients.
-- tp: all B rows; w1, w3 column-parallel and w2 row-parallel (F/N of d_ff each) in `dtype`, bracketed by
-  Megatron's f and g of systems.parallel.tensor: the forward all-reduces y's partial sums, the backward dx's.
-- torch-tp: the same split by torch (`parallelize_module`: ColwiseParallel w1, w3, RowwiseParallel w2, and
-  PrepareModuleInput on the layer, as torchtitan plans its FFN: without it each ColwiseParallel all-reduces its
-  own part of dx, two all-reduces backward instead of one). Its output is waited for before the forward returns
-  (RowwiseParallel leaves y's all-reduce in flight until an op reads y; a step that only backpropagates through y
-  would never wait for it).
-- fsdp-tp: a (data x tensor) Mesh (systems.parallel.mesh): tp's slices over the tensor axis, then our FSDP over
-  the mesh shards each slice over the data axis, which takes B/data rows.
-
-The full-model wrappers (systems.parallel.tensor.tensor_parallel, TrainSpec) take a TransformerLM, not one layer;
-the layer uses their pieces (f, g, FSDP, DDP, the Mesh) directly.
+`FFNLayout` names the layouts (single, dp, fsdp, tp, torch-tp, fsdp-tp), `placements` gives a layout's `Placement`s
+over the ranks, and `lay_out(placement, batch, d_model, d_ff, dtype, device)` builds this rank's part of the layer
+(a `LaidOut`) from one seed and says which rows of the global batch it takes. A step is
+`y = laid.module(x[laid.rows]); y.backward(dy[laid.rows]); laid.finish()`. Each layout uses our own pieces where
+they exist (DDP, FSDP, Megatron's f and g, the Mesh). docs/design-notes.md has each layout's design.
 """
 
 from __future__ import annotations

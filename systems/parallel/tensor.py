@@ -1,25 +1,12 @@
 """Tensor parallelism (Megatron-LM; the 2026 handout's section 8): each Transformer block's attention and SwiGLU
 split across the ranks of a group, so each rank holds and computes 1/T of every block.
 
-`tensor_parallel(model, group)` shards a TransformerLM in place. Within a block, the layers that expand the width
-are column-parallel (each rank keeps a slice of their output features: attention's qkv by heads, SwiGLU's w1 and
-w3 by d_ff) and the layers that contract it row-parallel (each keeps the matching slice of their input
-features: attention's out by heads, SwiGLU's w2 by d_ff), so everything between runs on this rank's slice alone.
-Megatron's two operators bracket each region: f at its input, the identity forward and a sum over the group of
-the input's gradient backward (each rank's slice contributes a part of it); g at its output, a sum over the group
-of the row-parallel layer's partial products forward and the identity backward. A block thus all-reduces two
-activations forward and two gradients backward. The embedding, the norms and the LM head stay whole, on
-identical inputs, so their gradients are identical on every rank of the group (the sums are in rank order under
-gloo and NCCL's all-reduce hands every rank the same bits).
-
-Names: ours (systems.model) is w2(silu(w1 x) * w3 x); the 2026 handout names the two up-projections W1 and W2
-and the down-projection W3. So our w1 and w3 (its W1, W2) are column-parallel and our w2 (its W3) row-parallel.
-The attention's fused qkv weight is (3, heads, d_head) by d_model in its output features, so a rank's rows are
-[q, k, v] of its heads, not a contiguous third.
-
-With FSDP (2D, `Layout(shard=dp, tensor=tp)`): tensor_parallel first, over the mesh's tensor axis, then
-FSDP(model, mesh=mesh) shards each rank's TP slices over its data-parallel group (the ranks holding the same
-slice), which also splits the batch. `torch_tensor_parallel` is torch's DTensor TP of the same model, beside it.
+`tensor_parallel(model, group)` shards a TransformerLM in place: the layers that expand the width column-parallel
+(qkv by heads, SwiGLU's w1 and w3 by d_ff), those that contract it row-parallel (out, w2), each region bracketed by
+Megatron's f and g (`copy_to_region`, `reduce_from_region`); the embedding, the norms and the LM head stay whole.
+`torch_tensor_parallel` is torch's DTensor TP of the same model, beside it; `qkv_in_model_order` puts its qkv rows
+back in the model's order. With FSDP (2D, `Layout(shard=dp, tensor=tp)`) TP comes first, over the mesh's tensor
+axis. docs/design-notes.md has the design.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from systems.model import TransformerConfig
 from systems.optim import AdamW, ShardedOptimizer
 from systems.parallel.collectives import all_reduce_mean
 from systems.parallel.fsdp import FSDP
-from systems.parallel.meters import PeakMemory, PhaseClock
+from systems.parallel.meters import PeakMeter, PhaseClock
 from systems.parallel.parallelize import parallelize
 from systems.parallel.ranks import rank_device
 from systems.parallel.spec import TrainSpec
@@ -67,17 +67,17 @@ class Rank:
         return values
 
 
-def train(spec: TrainSpec, then: Callable[..., dict] | None = None) -> dict:
+def train(spec: TrainSpec, after_training: Callable[..., dict] | None = None) -> dict:
     """Train data-parallel on this rank (or alone without a process group); return its measurements.
 
-    Returns per-step losses averaged over ranks (warm-up steps included), per-phase seconds of
-    each timed step, this rank's optimizer-state bytes and, on a GPU, peak memory in MiB: during
-    construction, and in the last step before and during the optimizer step. `then(model, step)`, given
-    the wrapped model and a function that runs one more whole step (on the last batch), adds to the result.
+    Returns per-step losses averaged over ranks (warm-up steps included), per-phase seconds of each timed step,
+    this rank's optimizer-state bytes and, on a GPU, peak memory in MiB: during construction, and in the last
+    step before and during the optimizer step. `after_training(model, step)`, given the wrapped model and a
+    function that runs one more whole step (on the last batch), adds to the result.
     """
     rank = Rank.current(spec)
     torch.manual_seed(spec.seed + rank.index)  # ranks start apart; the wrapper broadcasts rank 0's weights
-    memory = PeakMemory(rank.device)
+    memory = PeakMeter(rank.device)
     config = spec.config(rank.device.type)
     precision = spec.precision
     model = parallelize(make_model(config, rank.device, precision), spec, rank.device, rank.layout)
@@ -95,8 +95,8 @@ def train(spec: TrainSpec, then: Callable[..., dict] | None = None) -> dict:
     if isinstance(model, FSDP):
         result["seconds"]["gather_wait"] = model.gather_wait.seconds()[spec.warmup:]
         result["peak_gathered_bytes"] = model.gathered.peak
-    if then is not None:
-        result |= then(model, lambda: timed_step(model, optimizer, tokens, targets, precision, memory))
+    if after_training is not None:
+        result |= after_training(model, lambda: timed_step(model, optimizer, tokens, targets, precision, memory))
     return result
 
 
@@ -123,7 +123,7 @@ def rank_batches(config: TransformerConfig, spec: TrainSpec, rank: Rank) -> Iter
 
 
 def timed_step(model: nn.Module, optimizer: torch.optim.Optimizer, tokens: torch.Tensor, targets: torch.Tensor,
-               precision: Precision, memory: PeakMemory) -> tuple[torch.Tensor, PhaseClock]:
+               precision: Precision, memory: PeakMeter) -> tuple[torch.Tensor, PhaseClock]:
     """One training step; returns its loss and a clock marked between PHASES. `memory` records the peak
     before the optimizer step and during it."""
     clock = PhaseClock(tokens.device)

@@ -19,7 +19,7 @@ from systems.accounting.ffn_layouts import (Accelerator, PassCost, SwiGLULayer, 
 from systems.bench.ffn import handout_cost
 from systems.model import Fused
 from systems.parallel.swiglu import FFNLayout
-from systems.report.markdown import Table, mb, ms, number, order
+from systems.report.markdown import Table, mib, ms, number, order
 from systems.report.runs import Result, Run
 
 SHAPE = ("batch", "d_model", "d_ff", "precision")
@@ -178,7 +178,7 @@ def leaderboard_tables(run: Run) -> list[Table]:
                                                + (", compiled" if p.compile else ""))
         table.rows.append([p.model, p.preset, str(p.context), str(p.batch), str(p.world_size), levers, m.timer,
                            f"{p.rep_ms:g} / {p.warmup_ms:g}", ms(m.mean_s), ms(m.median_s), str(m.timed_steps),
-                           number(m.first_loss), mb(m.peak_mb()), number(m.cold_start_s)])
+                           number(m.first_loss), mib(m.peak_mb()), number(m.cold_start_s)])
     return [table]
 
 

@@ -12,7 +12,7 @@ from systems.bench.schema import DDP_VARIANTS, FSDP_VARIANTS, Phases, Point
 from systems.levers.checkpointing import Checkpointing
 from systems.levers.variant import Variant
 from systems.model import get_config
-from systems.report.markdown import Table, batch_sizes, fields_of, mb, ms, number, order, sorted_by
+from systems.report.markdown import Table, batch_sizes, fields_of, mib, ms, number, order, sorted_by
 from systems.report.runs import Result, Run
 
 PHASES = ("step", "forward", "backward", "comm_wait", "optimizer")
@@ -150,9 +150,9 @@ def fsdp_tables(run: Run) -> list[Table]:
         peak, predicted = m.peak_mb(), m.predicted_peak_mb
         table.rows.append(point_cells(r.point, keys) + phase_cells(m.phases, (*PHASES, "gather_wait"))
                           + [number(vs(run, r, Variant.SINGLE, 1)), number(m.throughput.tflops)]
-                          + [mb(peak), mb(predicted),
+                          + [mib(peak), mib(predicted),
                              "" if peak is None or not predicted else f"{peak / predicted:.2f}",
-                             mb(m.peak_gathered_mb)])
+                             mib(m.peak_gathered_mb)])
     table.rows += [point_cells(point, keys) + ["OOM"] + [""] * 11 for point in oom]
     return [table]
 
@@ -234,8 +234,8 @@ def optimizer_tables(run: Run) -> list[Table]:
     for r in results:
         m = r.measured
         table.rows.append([number(k) for k in fields_of(r.point, keys)]
-                          + [mb(max(m.state_mb)), mb(m.unsharded_state_mb), number(m.state_fraction),
+                          + [mib(max(m.state_mb)), mib(m.unsharded_state_mb), number(m.state_fraction),
                              number(m.ideal_fraction)]
-                          + [mb((m.memory_mb or {}).get(moment)) for moment in moments]
+                          + [mib((m.memory_mb or {}).get(moment)) for moment in moments]
                           + [ms(m.optimizer_s), ms(m.step_s)])
     return [table]

@@ -7,7 +7,7 @@ from systems.accounting.layouts import Cluster, Compute, Links, fastest, predict
 from systems.bench.schema import LAYOUT_BUCKET_MB, LAYOUT_VARIANTS
 from systems.levers.variant import Variant
 from systems.model import get_config
-from systems.report.markdown import Table, batch_sizes, mb, ms, number, order
+from systems.report.markdown import Table, batch_sizes, mib, ms, number, order
 from systems.report.runs import Result, Run
 
 AXES = ("shard", "replicate")
@@ -52,7 +52,7 @@ def layout_tables(run: Run) -> list[Table]:
                                                                  "gather_wait")] + [number(versus)]
         for axis in AXES:
             comm = m.axes.get(axis)
-            row += ["", "", "", ""] if comm is None else [number(comm.ranks), mb(comm.sent_mb), ms(comm.seconds),
+            row += ["", "", "", ""] if comm is None else [number(comm.ranks), mib(comm.sent_mb), ms(comm.seconds),
                                                           number(comm.busbw_gbps)]
         table.rows.append(row)
     table.rows += [[number(p.preset), number(p.precision), number(p.context), number(p.world_size),

@@ -62,11 +62,12 @@ def fields_of(point: Point, keys: list[str]) -> tuple:
     return tuple(plain(getattr(point, key)) for key in keys)
 
 
-def mib(nbytes: float) -> str:
+def bytes_as_mib(nbytes: float) -> str:
+    """A figure in bytes, as the tables show memory: whole MiB with thousands separated."""
     return f"{nbytes / 2**20:,.0f}"
 
 
-def mb(mebibytes: float | None) -> str:
+def mib(mebibytes: float | None) -> str:
     """A figure already in MiB, as the tables show memory: whole MiB with thousands separated."""
     return "" if mebibytes is None else f"{mebibytes:,.0f}"
 

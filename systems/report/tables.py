@@ -14,8 +14,8 @@ from systems.report.breakdown import breakdown_tables
 from systems.report.course import course_tables
 from systems.report.distributed import allreduce_tables, ddp_tables, fsdp_tables, fullstep_tables, optimizer_tables
 from systems.report.layouts import layout_tables
-from systems.report.markdown import (Table, batch_sizes, cell, fields_of, mb, mib, ms, ms_pm, number, order,
-                                     pivot, sorted_by)
+from systems.report.markdown import (Table, batch_sizes, bytes_as_mib, cell, fields_of, mib, ms, ms_pm, number,
+                                     order, pivot, sorted_by)
 from systems.report.runs import Result, Run
 
 REGRESSION = 1.10  # a time this much above the baseline's is flagged
@@ -68,7 +68,7 @@ def _predicted_memory(point: ModelPoint) -> list[str]:
         return ["", "", ""]
     config = get_config(point.preset, point.edition, attention=point.attention, context_length=point.context)
     peak = peak_memory(config, point.batch, point.context, point.precision)
-    return [mib(peak.forward), mib(peak.forward_backward), mib(peak.train_step)]
+    return [bytes_as_mib(peak.forward), bytes_as_mib(peak.forward_backward), bytes_as_mib(peak.train_step)]
 
 
 def warmup_tables(run: Run) -> list[Table]:
@@ -93,7 +93,7 @@ def attention_tables(run: Run) -> list[Table]:
         for key, row in grid.items():
             table.rows.append([number(k) for k in key] + [
                 cell(row.get("forward"), ms_pm), cell(row.get("backward"), ms_pm),
-                cell(row.get("backward"), lambda r: mb(r.measured.memory_before_backward_mb))])
+                cell(row.get("backward"), lambda r: mib(r.measured.memory_before_backward_mb))])
         tables.append(table)
 
     keys = ["precision", "d", "seq", "pass_"]
@@ -154,7 +154,7 @@ def checkpoint_tables(run: Run) -> list[Table]:
                 table.rows.append([number(k) for k in key] + [name, "", "OOM", ""] + _predicted_step(entry))
                 continue
             m = entry.measured
-            memory = [mb(value) for value in (m.peak_memory_mb, m.predicted_peak_mb, m.activation_mb,
+            memory = [mib(value) for value in (m.peak_memory_mb, m.predicted_peak_mb, m.activation_mb,
                                               m.predicted_activation_mb)]
             table.rows.append([number(k) for k in key] + [name, "x".join(map(str, m.levels)), ms(entry.mean),
                                                           _ratio(entry, none, lambda r: r.mean)]
@@ -173,7 +173,7 @@ def checkpoint_tables(run: Run) -> list[Table]:
         search.rows = [[number(k) for k in fields_of(r.point, ["preset", "batch", "precision", "attention", "scheme"])]
                        + [number(k) for k in (r.measured.largest_context, r.measured.first_oom_context,
                                               r.measured.predicted_largest_context)]
-                       + [ms(r.mean), mb(r.measured.at_longest.peak_memory_mb)] for r in searches]
+                       + [ms(r.mean), mib(r.measured.at_longest.peak_memory_mb)] for r in searches]
         tables.append(search)
     return tables
 
@@ -198,7 +198,7 @@ def _predicted_step(point: CheckpointPoint) -> list[str]:
     config = checkpointed(point.scheme, config, point.batch, point.context, point.precision)
     peak = peak_memory(config, point.batch, point.context, point.precision).train_step
     state = model_state(config, point.precision).training
-    return ["", mib(peak), "", mib(peak - state), "", ""]
+    return ["", bytes_as_mib(peak), "", bytes_as_mib(peak - state), "", ""]
 
 
 def other_tables(run: Run) -> list[Table]:
