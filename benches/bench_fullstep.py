@@ -1,5 +1,5 @@
 """A whole training step (forward, cross-entropy, backward, AdamW) with its levers, timed as the course's 2026
-leaderboard times it: issue 16's 8.1B model at context 32768 on two GPUs.
+leaderboard times it: the handout's 8.1B model (preset leaderboard-2026) at context 32768 on two GPUs.
 
 The issue's point on 2 x H200 (one sequence per GPU, batch 2 in all):
 

@@ -13,7 +13,7 @@ from systems.optim import AdamW
 from systems.precision import PRECISIONS
 from systems.step import check_batch, random_batch, train_step
 
-# Every preset of every edition, the untied embedding and LM head included (issue 16): with vocabulary V, width d,
+# Every preset of every edition, the untied embedding and LM head included: with vocabulary V, width d,
 # d_ff f and L blocks, L (4d² + 3df + 2d) (attention's four projections, SwiGLU's three, two norms) + 2Vd + d.
 EXPECTED_PARAMETERS = {
     # 2 (4·64² + 3·64·256 + 128) = 2 · 65,664 = 131,328; + 2·10,000·64 = 1,280,000; + 64

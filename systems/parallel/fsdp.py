@@ -110,8 +110,8 @@ class FSDP(nn.Module):
         device = self.shards[0].device if self.units else torch.device("cpu")
         self.gather_wait = WaitClock(device)
         self.gathered = GatheredMemory()
-        # The saved-tensor hooks run eagerly, as the module hooks do: torch 2.11's Dynamo traced them into a
-        # compiled block and broke its graph on their storage lookup. (Wrapped here, not where they are defined:
+        # The saved-tensor hooks run eagerly, as the module hooks do: traced into a compiled block, Dynamo breaks
+        # its graph on their storage lookup. (Wrapped here, not where they are defined:
         # Dynamo's import loads Triton, before a test run on a CPU has asked for its interpreter.)
         self._saved_hooks = (torch.compiler.disable(self._pack), torch.compiler.disable(self._unpack))
 
