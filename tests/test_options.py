@@ -10,6 +10,7 @@ from importlib.metadata import entry_points
 import pytest
 
 from systems.attention import BENCHED_BACKENDS
+from systems.bench.options import OPTIONS, Grid, _as_option_type, _list
 from systems.levers.checkpointing import Checkpointing
 from systems.levers.layout import Layout
 from systems.levers.sharding import Gather
@@ -19,12 +20,12 @@ from systems.precision import PRECISIONS
 
 NOTHING = "def test_nothing(): pass"
 GRID = """
-import json, pathlib
+import dataclasses, json, pathlib
 from systems.bench.options import grid_of
 
 def test_grid(request):
     grid = grid_of(request.config)
-    pathlib.Path("grid.json").write_text(json.dumps({name: repr(value) for name, value in grid.values.items()}))
+    pathlib.Path("grid.json").write_text(json.dumps({field.name: repr(getattr(grid, field.name)) for field in dataclasses.fields(grid)}))
 """
 
 
@@ -147,3 +148,16 @@ def test_a_bench_grid_is_every_combination_of_its_options(inner_pytest, bench, o
                                             "-p", "no:cacheprovider", "-o", "python_files=bench_*.py")
     assert ran.ret == pytest.ExitCode.OK, ran.stderr.str()
     assert sum("::test_" in line for line in ran.stdout.lines) == points
+
+
+def test_the_grid_holds_each_options_objects_and_refuses_text():
+    """Grid's fields are typed from the options' parsers and checked: the parsed defaults make a Grid, and text
+    where a bench reads objects (a precision's name, a number as text) is a TypeError naming the field."""
+    defaults = {option.dest: None if option.default is None else
+                (_list(option.parse, option.empty) if option.many else _as_option_type(option.parse))(option.default)
+                for option in OPTIONS.values()}
+    grid = Grid(**defaults)
+    assert grid.precisions == [PRECISIONS["fp32"], PRECISIONS["bf16"]] and grid.rounds == 5
+    for name, text in [("precisions", ["bf16"]), ("rounds", "5"), ("loss_chunk", "48"), ("checkpoint", "none")]:
+        with pytest.raises(TypeError, match=f"grid option {name} must be"):
+            Grid(**defaults | {name: text})

@@ -9,7 +9,10 @@ builds its points (`points_or_usage_error`).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,6 +44,7 @@ def _positive(kind: type) -> Callable[[str], float]:
             raise ValueError(f"{value!r} is not positive")
         return value
     parse.__name__ = kind.__name__
+    parse.__annotations__["return"] = kind
     return parse
 
 
@@ -232,17 +236,34 @@ OPTIONS = {option.dest: option for _, options in GROUPS.values() for option in o
 PRESET_OPTIONS = ("presets", "ddp_preset", "fsdp_preset", "layout_preset", "fullstep_preset", "leaderboard_preset")
 
 
-@dataclass(frozen=True)
-class Grid:
-    """Every grid option's parsed value, by option name (`grid.precisions`: a list of Precision)."""
+def _value_type(option: Option) -> object:
+    """What the option's value is: its parser's result (a list of them for a list), None where it may be unset."""
+    parse = option.parse
+    kind = parse if isinstance(parse, type) else typing.get_type_hints(parse)["return"]
+    if option.many:
+        return list[kind]
+    return kind | None if option.default is None else kind
 
-    values: dict
 
-    def __getattr__(self, name: str):
-        try:
-            return self.values[name]
-        except KeyError:
-            raise AttributeError(name) from None
+def _check_value(name: str, value, kind) -> None:
+    """`value` is a `kind` (a class, `list[T]` or a union of them): a bench reads the objects, never text."""
+    if isinstance(kind, types.GenericAlias):
+        _check_value(name, value, list)
+        for item in value:
+            _check_value(name, item, typing.get_args(kind)[0])
+    elif not isinstance(value, typing.get_args(kind) or kind):
+        raise TypeError(f"grid option {name} must be {kind}, got {value!r}")
+
+
+def _check_fields(grid) -> None:
+    for field in dataclasses.fields(grid):
+        _check_value(field.name, getattr(grid, field.name), field.type)
+
+
+# One typed field per option, named as the option's dest (`grid.precisions`: a list of Precision).
+Grid = dataclasses.make_dataclass("Grid", [(option.dest, _value_type(option)) for option in OPTIONS.values()],
+                                  namespace={"__post_init__": _check_fields}, frozen=True)
+Grid.__module__, Grid.__doc__ = __name__, "Every grid option's parsed value, in a typed field named as its dest."
 
 
 GRID = pytest.StashKey[Grid]()
@@ -274,7 +295,7 @@ def configure_grid(config) -> Grid:
             raise pytest.UsageError(f"{OPTIONS[dest].flag} {','.join(selective)} with --compile-blocks on: op-level "
                                     "selection cannot see inside a compiled block; compile only with the other "
                                     "schemes")
-    grid = config.stash[GRID] = Grid(values)
+    grid = config.stash[GRID] = Grid(**values)
     return grid
 
 
