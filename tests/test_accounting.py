@@ -12,7 +12,7 @@ from covering import pairwise
 from memory_probes import cpu_peak_bytes, cpu_peaks, cuda_phase_peak, saved_tensor_bytes, training_peaks
 from systems.accounting import (GB, TPU_V5P_BYTES, TPU_V5P_FLOPS, TPU_V5P_ICI_BANDWIDTH, XXL, BucketedAllReduce,
                                 FFNStack, activation_memory, count_matmul_parameters, count_parameters,
-                                devices_to_hold, flops, fsdp_tp_compute_bound_batch, model_state,
+                                devices_to_hold, flops, fsdp_tp_compute_bound_batch, model_state, parameter_numels,
                                 peak_memory, residual_stream_bytes)
 from systems.kernels.launch import interpreted as kernels_interpreted
 from systems.loss import cross_entropy
@@ -37,6 +37,7 @@ def test_parameter_counts_match_the_model(edition, preset):
     with torch.device("meta"):
         model = TransformerLM(get_config(preset, edition))
     assert count_parameters(model.config) == model.num_parameters()
+    assert parameter_numels(model.config) == [p.numel() for p in model.parameters()]
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
     assert count_matmul_parameters(model.config) == linear
 

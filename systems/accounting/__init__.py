@@ -21,7 +21,7 @@ from systems.accounting.traffic import AxisTraffic, StepCollective, ddp_traffic,
 from systems.accounting.transformer import (GB, H100_BYTES, ModelState, PeakMemory, activation_memory,
                                             checkpointed, count_matmul_parameters, count_parameters,
                                             kept_weight_copies, largest_context, model_state, nested_checkpoint,
-                                            peak_memory, residual_stream_bytes)
+                                            parameter_numels, peak_memory, residual_stream_bytes)
 
 __all__ = ["GB", "H100_BYTES", "RING_COLLECTIVES", "TPU_V5P_BYTES", "TPU_V5P_FLOPS", "TPU_V5P_ICI_BANDWIDTH", "XXL",
            "Accelerator", "Activations", "AxisTraffic", "BucketedAllReduce", "Cluster", "Collective",
@@ -31,6 +31,6 @@ __all__ = ["GB", "H100_BYTES", "RING_COLLECTIVES", "TPU_V5P_BYTES", "TPU_V5P_FLO
            "ddp_traffic", "devices_to_hold", "dp_step", "fastest", "fit_bucketed_allreduce", "flops", "fsdp_memory",
            "fsdp_step", "fsdp_tp_compute_bound_batch", "fsdp_tp_step", "hsdp_memory", "hsdp_traffic",
            "kept_weight_copies", "largest_context", "largest_dp_devices", "largest_fsdp_devices",
-           "largest_fsdp_tp_grid", "largest_tp_devices", "model_state", "nested_checkpoint", "peak_memory",
-           "predict_layouts", "recomputed_blocks", "recomputed_flops", "residual_stream_bytes", "sharded_weights",
-           "smallest_batch_per_device", "tp_step"]
+           "largest_fsdp_tp_grid", "largest_tp_devices", "model_state", "nested_checkpoint", "parameter_numels",
+           "peak_memory", "predict_layouts", "recomputed_blocks", "recomputed_flops", "residual_stream_bytes",
+           "sharded_weights", "smallest_batch_per_device", "tp_step"]

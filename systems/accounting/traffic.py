@@ -15,11 +15,11 @@ from dataclasses import dataclass
 import torch
 
 from systems.accounting.sharding import block_weights, sharded_weights
-from systems.accounting.transformer import count_parameters
+from systems.accounting.transformer import count_parameters, parameter_numels
 from systems.levers.buckets import fill_buckets
 from systems.levers.layout import Layout
 from systems.levers.sharding import DEFAULT_GATHER, Gather
-from systems.model import TransformerConfig, TransformerLM
+from systems.model import TransformerConfig
 from systems.precision import Precision
 
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
@@ -124,8 +124,8 @@ def ddp_collectives(config: TransformerConfig, precision: Precision, world_size:
     order backward fills them, on the replicate axis (none on one rank)."""
     if world_size == 1:
         return []
-    with torch.device("meta"):  # the model's parameters in their order, shapes and dtype, without memory
-        params = list(TransformerLM(config).to(precision.weights).parameters())
+    # The parameters' sizes and dtype in the model's order, as tensors without memory (what fill_buckets reads).
+    params = [torch.empty(numel, dtype=precision.weights, device="meta") for numel in parameter_numels(config)]
     return [StepCollective("replicate", "all_reduce", sum(p.numel() for p in bucket), precision.weights.itemsize,
                            world_size, "backward")
             for bucket in fill_buckets(params[::-1], bucket_size_mb)]

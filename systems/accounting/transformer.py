@@ -41,6 +41,14 @@ def count_parameters(config: TransformerConfig) -> int:
     return vocab * d + layers * per_block + d + d * vocab  # embedding, blocks, final norm, LM head
 
 
+def parameter_numels(config: TransformerConfig) -> list[int]:
+    """Element counts of TransformerLM's parameters in its `parameters()` order: the embedding, each block's
+    (attention's norm, qkv, out; the FFN's norm, w1, w3, w2), the final norm, the LM head."""
+    d, d_ff = config.d_model, config.d_ff
+    block = [d, 3 * d * d, d * d, d, d * d_ff, d * d_ff, d_ff * d]
+    return [config.vocab_size * d] + config.num_layers * block + [d, d * config.vocab_size]
+
+
 def count_matmul_parameters(config: TransformerConfig) -> int:
     """Weights of the Linear layers: the ones autocast copies to low precision."""
     d, d_ff = config.d_model, config.d_ff

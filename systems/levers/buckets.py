@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import math
 
-import torch.nn as nn
+import torch
 
-def fill_buckets(params: list[nn.Parameter], bucket_size_mb: float | None) -> list[list[nn.Parameter]]:
-    """Split `params`, in order, into runs of at most `bucket_size_mb` (one bucket when None).
+
+def fill_buckets(params: list[torch.Tensor], bucket_size_mb: float | None) -> list[list[torch.Tensor]]:
+    """Split `params` (parameters, or tensors of their sizes and dtypes), in order, into runs of at most
+    `bucket_size_mb` (one bucket when None).
 
     A parameter larger than a bucket gets a bucket of its own; a change of dtype starts a new
     bucket, since a bucket is one flat tensor.
