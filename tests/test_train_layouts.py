@@ -23,14 +23,15 @@ import torch
 import torch.distributed as dist
 
 from layout_reference import assert_trained_alike, train_one_process
+from systems.accounting import transformer as transformer_accounting
 from systems.accounting.traffic import fsdp_collectives
 from systems.bench import axes
 from systems.bench.axes import axis_timer
 from spawned_ranks import results_by_rank
 from systems.levers.layout import Layout
+from systems.levers.variant import Variant
 from systems.parallel.parallelize import full_parameters
 from systems.parallel.spec import TrainSpec
-from systems.levers.variant import Variant
 from systems.parallel.train import train
 from systems.precision import PRECISIONS
 from systems.step import make_model
@@ -162,3 +163,19 @@ def test_a_layout_is_checked_against_the_variant_when_the_spec_is_made(fields, m
 def test_the_other_variants_lay_out_every_rank_along_their_own_axis(variant, world_size, layout):
     assert TrainSpec(variant=variant).layout_for(world_size) == layout
     assert Variant(variant).world_layout(world_size) == layout
+
+
+def test_a_spec_checks_its_levers_without_searching_for_nested_levels(monkeypatch):
+    """Nested checkpointing's levels are the accounting's search over the model and batch: a spec is checked
+    without it, and the run's config (spec.config, where the run starts) has the levels it finds."""
+    found = []
+
+    def search(config, *args, **kwargs):
+        found.append(config.num_layers)
+        return (2, 1)
+
+    monkeypatch.setattr(transformer_accounting, "nested_checkpoint", search)
+    spec = TrainSpec(checkpoint="nested-keep1", preset="small")
+    assert found == []
+    config = spec.config("cpu")
+    assert found == [config.num_layers] and (config.checkpoint, config.checkpoint_keep) == ((2, 1), 1)

@@ -272,13 +272,12 @@ def checkpointed(scheme: Checkpointing, config: TransformerConfig, batch_size: i
                  *, attention: Attention | None = None, device: str = "cuda") -> TransformerConfig:
     """`config` checkpointed as `scheme` says: its levels (nested's least-peak ones for this model and batch), the
     blocks it leaves out and what its segments keep."""
-    # Nested's levels are chosen with the blocks left out already left out; (1,) stands in until then.
-    config = dataclasses.replace(config, checkpoint=(1,) if scheme.levels is None else scheme.levels,
-                                 checkpoint_keep=scheme.keep, checkpoint_saves=scheme.saves)
+    config = scheme.configure(config)
     if scheme.levels is not None:
         return config
-    levels = nested_checkpoint(config, batch_size, seq, precision, attention=attention, device=device)
-    return dataclasses.replace(config, checkpoint=levels)
+    # Nested's levels are chosen with the blocks left out already left out.
+    return scheme.configure(config, nested_checkpoint(config, batch_size, seq, precision, attention=attention,
+                                                      device=device))
 
 
 def largest_context(config: TransformerConfig, batch_size: int, precision: Precision, *, capacity: int = H100_BYTES,

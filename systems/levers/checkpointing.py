@@ -3,9 +3,11 @@ tables spell it. systems.model runs a scheme; systems.accounting predicts its me
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 
+from systems.model import TransformerConfig
 from systems.recompute import Saves
 
 _SCHEME = re.compile(r"(?P<base>none|nested|ops|attn|every\d+|\d+(?:x\d+)+)(?:-keep(?P<keep>\d+))?")
@@ -48,6 +50,16 @@ class Checkpointing:
         if any(k < 1 for k in levels) or any(inner >= outer for outer, inner in zip(levels, levels[1:])):
             raise ValueError(f"checkpointing {text!r}: segment sizes must be positive and shrink level by level")
         return cls(levels, keep)
+
+    def configure(self, config: TransformerConfig, levels: tuple[int, ...] | None = None) -> TransformerConfig:
+        """`config` checkpointed as this scheme says, which the config checks: its levels, the blocks it leaves
+        out and what its segments keep. Nested's levels are `levels`, which the accounting works out for a model
+        and batch (systems.accounting.checkpointed); one-block segments stand in until then."""
+        if self.levels is not None:
+            levels = self.levels
+        elif levels is None:
+            levels = (1,)
+        return dataclasses.replace(config, checkpoint=levels, checkpoint_keep=self.keep, checkpoint_saves=self.saves)
 
     def __str__(self) -> str:
         keep = f"-keep{self.keep}" if self.keep else ""

@@ -73,7 +73,7 @@ class TrainSpec:
             check_chunk(self.loss_chunk)
         if min(self.batch_size, self.context, self.steps) < 1 or self.warmup < 0:
             raise ValueError("batch_size, context and steps must be positive and warmup non-negative")
-        self.config("cpu")  # a known preset of the edition, and model levers that go together
+        self.checkpoint.configure(self._unchecked_config())  # a known preset, and levers that go together
 
     def layout_for(self, world_size: int) -> Layout:
         """This run's layout on a process group of `world_size` ranks, which must be as many as it has."""
@@ -85,9 +85,13 @@ class TrainSpec:
 
     def config(self, device: str = "cuda") -> TransformerConfig:
         """The model this run trains; `device` ("cuda" or "cpu") decides nested checkpointing's sizes."""
-        base = get_config(self.preset, self.edition, context_length=self.context, loss_chunk=self.loss_chunk,
+        return checkpointed(self.checkpoint, self._unchecked_config(), self.batch_size, self.context, self.precision,
+                            device=device)
+
+    def _unchecked_config(self) -> TransformerConfig:
+        """The preset with this run's levers but not yet its checkpointing."""
+        return get_config(self.preset, self.edition, context_length=self.context, loss_chunk=self.loss_chunk,
                           attention=self.attention, fused=self.fused, compile=self.compile)
-        return checkpointed(self.checkpoint, base, self.batch_size, self.context, self.precision, device=device)
 
 
 def data_layout(layout: Layout | str) -> Layout:
