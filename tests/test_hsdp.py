@@ -12,8 +12,8 @@ torch.equal; a reduce-scatter over the world instead of the shard group, or a re
 changes the parameters far beyond any rounding. Under NCCL only 2 x 2 runs: every group has two ranks, and a
 sum of two terms is the same in any order (1 x 4 and 4 x 1 sum four terms in NCCL's ring order).
 
-Torch's FSDP2 (TorchHSDP) at 2 x 2 is compared exactly too: its reductions are not rank-ordered, but each sums
-two terms, and it divides by 2 before the reduce-scatter and by 2 after the all-reduce, exact in binary, so
+Torch's FSDP2 over a 2D mesh (TorchFSDP2) at 2 x 2 is compared exactly too: its reductions are not rank-ordered,
+but each sums two terms, and it divides by 2 before the reduce-scatter and by 2 after the all-reduce, exact in binary, so
 ((a/2 + b/2) + (c/2 + d/2)) / 2 is bit for bit ((a + b)/2 + (c + d)/2) / 2.
 
 The bytes each collective sends on each axis are counted from the run and must equal systems.accounting's
@@ -43,7 +43,8 @@ from systems.model import TransformerLM
 from systems.optim import AdamW
 from systems.parallel import fsdp as fsdp_module
 from systems.parallel.fsdp import FSDP
-from systems.parallel.mesh import Mesh, TorchHSDP
+from systems.parallel.mesh import Mesh
+from systems.parallel.parallelize import TorchFSDP2
 from systems.parallel.ranks import rank_device
 from systems.precision import PRECISIONS
 
@@ -141,7 +142,7 @@ def train_sharded(wrapper: str, layout_name: str, compute: str, optimizer_name: 
     if wrapper == "ours":
         wrapped = FSDP(model, None if compute == "fp32" else COMPUTE[compute], gather=gather, mesh=mesh)
     else:
-        wrapped = TorchHSDP(model, COMPUTE[compute], layout)
+        wrapped = TorchFSDP2(model, COMPUTE[compute], layout)
     optimizer = make_optimizer(optimizer_name, wrapped.parameters())
     mine = rows(mesh.data.index)
     losses, sent = [], Counter()

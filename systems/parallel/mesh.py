@@ -4,20 +4,18 @@
 does, rank = (r * shard + s) * tensor + t: tensor-parallel ranks adjacent, replicas farthest apart.
 `Mesh(layout)` creates the process groups on every rank in the same order and holds this rank's `Axis` on each:
 `replicate`, `shard`, `tensor`, and `data` (replicate x shard). `device_mesh(layout)` is torch's DeviceMesh of the
-same layout, for FSDP2 and torch's TP; `TorchHSDP` is FSDP2 over it with the interface of our wrappers.
+same layout, for FSDP2 (systems.parallel.parallelize.TorchFSDP2) and torch's TP.
 docs/design-notes.md has why the axes are ordered so, and the layouts for FSDP, HSDP, DDP and 2D.
 """
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
-import torch
 import torch.distributed as dist
-import torch.nn as nn
 
 from systems.levers.layout import AXES, Layout
+
 
 @dataclass(frozen=True)
 class Axis:
@@ -79,30 +77,3 @@ def device_mesh(layout: Layout, axes: tuple[str, ...] = AXES):
         raise ValueError(f"{layout} has ranks along an axis outside {axes}")
     device = "cuda" if dist.get_backend() == "nccl" else "cpu"
     return init_device_mesh(device, tuple(getattr(layout, axis) for axis in axes), mesh_dim_names=axes)
-
-
-class TorchHSDP(nn.Module):
-    """Torch's FSDP2 (`fully_shard` block by block, then the root) over a 2D DeviceMesh (replicate, shard): HSDP
-    when both are above 1. Weights cast to `compute_dtype` before the all-gathers, gradients reduced in it, as
-    systems.parallel.train.TorchFSDP2 does over the world."""
-
-    def __init__(self, module: nn.Module, compute_dtype: torch.dtype, layout: Layout):
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # here: a slow import
-
-        if layout.tensor != 1:
-            raise ValueError(f"TorchHSDP shards and replicates only; got {layout}")
-        super().__init__()
-        with torch.no_grad():  # ranks start apart; fully_shard does not broadcast
-            for tensor in itertools.chain(module.parameters(), module.buffers()):
-                dist.broadcast(tensor, src=0)
-        mesh = device_mesh(layout, ("replicate", "shard"))
-        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=compute_dtype)
-        for block in module.blocks:
-            fully_shard(block, mesh=mesh, mp_policy=policy)
-        self.module = fully_shard(module, mesh=mesh, mp_policy=policy)
-
-    def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def finish_gradient_synchronization(self) -> None:
-        """Nothing left to do: FSDP2 waits for its reduce-scatters and all-reduces at the end of backward."""

@@ -4,7 +4,7 @@ ranks laid out as `layout` (`spec.layout_for(world_size)`).
 Every wrapper has `module` (the model) and `finish_gradient_synchronization()`, called between backward and the
 optimizer step, so the training loop treats them alike: one process alone, our DDP variants
 (systems.parallel.ddp), torch's DistributedDataParallel, our FSDP (systems.parallel.fsdp) over the world or over a
-Mesh of replicas x shards (HSDP), and torch's FSDP2 over the world or over a 2D DeviceMesh (TorchHSDP).
+Mesh of replicas x shards (HSDP), and torch's FSDP2 over the world or over a 2D DeviceMesh (TorchFSDP2).
 `full_parameters(wrapper)` gathers what any of them trained, whole.
 """
 
@@ -22,7 +22,7 @@ from systems.levers.variant import Variant
 from systems.model import TransformerLM
 from systems.parallel.ddp import make_ddp
 from systems.parallel.fsdp import FSDP
-from systems.parallel.mesh import Mesh, TorchHSDP
+from systems.parallel.mesh import Mesh, device_mesh
 from systems.parallel.spec import TrainSpec
 
 
@@ -38,10 +38,8 @@ def parallelize(model: TransformerLM, spec: TrainSpec, device: torch.device, lay
         case Variant.FSDP | Variant.HSDP:  # FSDP over the world needs no mesh: no new process groups
             return FSDP(model, compute_dtype=compute, prefetch=spec.fsdp_prefetch, gather=spec.fsdp_gather,
                         mesh=Mesh(layout) if spec.variant == Variant.HSDP else None)
-        case Variant.FSDP2:
-            return TorchFSDP2(model, compute)
-        case Variant.TORCH_HSDP:
-            return TorchHSDP(model, compute, layout)
+        case Variant.FSDP2 | Variant.TORCH_HSDP:
+            return TorchFSDP2(model, compute, layout if spec.variant == Variant.TORCH_HSDP else None)
         case _:
             return make_ddp(spec.variant, model, spec.bucket_size_mb if spec.variant == Variant.BUCKETED else None)
 
@@ -80,20 +78,24 @@ class TorchDDP(DistributedDataParallel):
 
 
 class TorchFSDP2(nn.Module):
-    """Torch's FSDP2 (`fully_shard`, block by block, then the root) with the interface of our wrappers,
-    casting weights to `compute_dtype` before the all-gathers and reduce-scattering in it, as ours does."""
+    """Torch's FSDP2 (`fully_shard`, block by block, then the root) with the interface of our wrappers: over the
+    world, or over a 2D DeviceMesh of `layout`'s replicas x shards (HSDP where both are above 1). Weights are cast
+    to `compute_dtype` before the all-gathers and gradients reduced in it, as ours does."""
 
-    def __init__(self, module: TransformerLM, compute_dtype: torch.dtype):
+    def __init__(self, module: TransformerLM, compute_dtype: torch.dtype, layout: Layout | None = None):
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # here: a slow import
 
+        if layout is not None and layout.tensor != 1:
+            raise ValueError(f"torch's FSDP2 here shards and replicates only; got {layout}")
         super().__init__()
         with torch.no_grad():  # ranks start apart; ours and DDP broadcast rank 0's weights, fully_shard does not
             for tensor in itertools.chain(module.parameters(), module.buffers()):
                 dist.broadcast(tensor, src=0)
+        mesh = None if layout is None else device_mesh(layout, ("replicate", "shard"))
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=compute_dtype)
         for block in module.blocks:
-            fully_shard(block, mp_policy=policy)
-        self.module = fully_shard(module, mp_policy=policy)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        self.module = fully_shard(module, mesh=mesh, mp_policy=policy)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
