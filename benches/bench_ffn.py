@@ -2,7 +2,7 @@
 and backward) under DP, FSDP, TP (ours and torch's) and FSDP x TP, beside the collectives' bandwidth that
 calibrates the section's W.
 
-The issue's run on 4 GPUs (docs/course-2026.md):
+The full-size run on 4 GPUs (docs/course-2026.md):
 
     pytest benches/bench_ffn.py --ffn-world-sizes 1,2,4 --ffn-precisions bf16 --ffn-batches 4096,16384 \\
         --ffn-d-models 4096,8192 --ffn-d-ffs 16384,28672 --ffn-bandwidth-mb 128,512 --rounds 10

@@ -1,6 +1,6 @@
 """FSDP training steps: one process, our bucketed DDP, our FSDP and torch's FSDP2 at the same point.
 
-The issue's point on 2 x H200: `--fsdp-preset xl --contexts 512 --precisions bf16 --batch-size 16`. The CPU
+The full-size point on 2 x H200: `--fsdp-preset xl --contexts 512 --precisions bf16 --batch-size 16`. The CPU
 default is the tiny preset on 2 gloo ranks. `--fsdp-prefetch 1,2,5` sweeps how many all-gathers our FSDP keeps
 in flight ahead of the computing layer, and `--fsdp-gather layer,block` what one of its collectives covers
 (the other variants run once). Each point trains through systems.parallel.train.train in spawned ranks

@@ -1,7 +1,7 @@
 """A whole training step (forward, cross-entropy, backward, AdamW) with its levers, timed as the course's 2026
 leaderboard times it: the handout's 8.1B model (preset leaderboard-2026) at context 32768 on two GPUs.
 
-The issue's point on 2 x H200 (one sequence per GPU, batch 2 in all):
+The full-size point on 2 x H200 (one sequence per GPU, batch 2 in all):
 
     pytest benches/bench_fullstep.py --fullstep-preset leaderboard-2026 --contexts 32768 --batch-size 1 \\
         --world-sizes 2 --precisions bf16 --checkpoint every1 --loss-chunk 4096 --attention sdpa

@@ -1,7 +1,7 @@
 """Layouts of the same ranks: DDP (bucketed, N x 1), FSDP (1 x N) and HSDP (R x S, ours and torch's) training one
 model, each axis's traffic and communication time beside the step, and one process as the compute they share.
 
-The issue's point on 4 GPUs (two "nodes" of two): `--layout-preset xl --layouts 2x2 --precisions bf16
+The full-size point on 4 GPUs (two "nodes" of two): `--layout-preset xl --layouts 2x2 --precisions bf16
 --contexts 512 --batch-size 4`. The CPU default is the tiny preset on 4 gloo ranks at 2 x 2. Each point trains
 through systems.parallel.train.train in spawned ranks (systems.bench.training: the ranks time their steps), then,
 in the same ranks, times each axis's collectives of a step alone (systems.bench.axes).

@@ -164,7 +164,7 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
     ]),
     "attention benchmarks": ("bench_attention.py; defaults fit a laptop CPU", [
         Option("--attn-grid", _one_of(("tiny", "full"), "grid"), "tiny",
-               "tiny: seq 128,256 x d 16,32 in fp32; full: the issue's grids (handout sweep d 16-128 x seq "
+               "tiny: seq 128,256 x d 16,32 in fp32; full: the GPU grids (handout sweep d 16-128 x seq "
                "256-16384; FlashAttention sweep d 16-128 x seq 128-65536 in bf16 and fp32)"),
         Option("--attn-seqs", _positive(int), "", "sequence lengths, instead of --attn-grid's", many=True,
                empty=True),
@@ -186,16 +186,16 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
                "--contexts, --precisions)"),
         Option("--bucket-sizes-mb", _positive(float), "1,10", "DDPBucketed bucket sizes in MiB, e.g. 1,10,100,1000",
                many=True),
-        Option("--fsdp-preset", _name, "tiny", "model preset of bench_fsdp; the issue's point: xl"),
+        Option("--fsdp-preset", _name, "tiny", "model preset of bench_fsdp; the full-size point: xl"),
         Option("--fsdp-prefetch", _prefetch, "1", "all-gathers our FSDP keeps in flight ahead of the computing "
                "layer, e.g. 1,2,5", many=True),
         Option("--fsdp-gather", Gather, "block", "what one of our FSDP's collectives covers: layer (each weight, "
                "the handout's) and/or block (a Transformer block's weights, FSDP2's)", many=True),
         Option("--layouts", data_layout, "2x2", "bench_layouts' replicas x shards (HSDP, ours and torch's), e.g. "
                "2x2,2x4; each layout's N ranks also run as DDP (N x 1) and FSDP (1 x N)", many=True),
-        Option("--layout-preset", _name, "tiny", "model preset of bench_layouts; the issue's point: xl on 4 GPUs"),
+        Option("--layout-preset", _name, "tiny", "model preset of bench_layouts; the full-size point: xl on 4 GPUs"),
         Option("--fullstep-preset", _name, "leaderboard-2026-tiny",
-               "bench_fullstep's model; the issue's: leaderboard-2026 (with --contexts 32768 --batch-size 1 "
+               "bench_fullstep's model; full size: leaderboard-2026 (with --contexts 32768 --batch-size 1 "
                "--precisions bf16 --loss-chunk 4096)"),
         Option("--fullstep-variants", _world_variant, "fsdp", "how bench_fullstep's ranks share the step, e.g. "
                "fsdp,fsdp2 (ours and torch's FSDP2 in one run); from "
@@ -213,7 +213,7 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
         Option("--ffn-d-ffs", _positive(int), "32", "D_FF: the layer's hidden width", many=True),
         Option("--ffn-precisions", _attention_precision, "fp32", "fp32/bf16/fp16: weights, activations and "
                "collectives (the handout's b: 2 bytes)", many=True),
-        Option("--ffn-bandwidth-mb", _positive(float), "4", "MiB of the collectives that calibrate W (the issue's: "
+        Option("--ffn-bandwidth-mb", _positive(float), "4", "MiB of the collectives that calibrate W ("
                "100 or more on GPUs)", many=True),
         Option("--leaderboard-models", _leaderboard_model, "ours,cs336_basics", "ours (our FSDP, with --attention, "
                "--loss-chunk, --leaderboard-checkpoint, --fused, --compile-blocks) and/or cs336_basics (the course's "
