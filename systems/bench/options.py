@@ -30,6 +30,7 @@ from systems.parallel.swiglu import FFNLayout
 from systems.precision import DTYPES, Precision, get_precision
 from systems.recompute import Saves
 
+
 def _number(kind: type, text: str):
     try:
         return kind(text)

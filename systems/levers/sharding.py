@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from systems.choice import Choice
 
+
 class Gather(Choice):
     """What one all-gather (and one reduce-scatter) covers: a layer's weight (the handout's), or every layer's of
     a block (FSDP2's unit: one host call per block, see FSDP)."""

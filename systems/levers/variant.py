@@ -5,6 +5,7 @@ from __future__ import annotations
 from systems.choice import Choice
 from systems.levers.layout import Layout
 
+
 class Variant(Choice):
     """How the ranks share a step: one process alone; our DDP variants (systems.parallel.ddp); torch's
     DistributedDataParallel; our FSDP; torch's FSDP2 (`fully_shard`); ours and torch's FSDP over a layout of
