@@ -18,6 +18,7 @@ from systems.levers.variant import Optimizer, Variant
 from systems.model import get_config
 from systems.precision import PRECISIONS
 from systems.report import main
+from systems.report.plots import _figure
 
 FP32, BF16 = PRECISIONS["fp32"], PRECISIONS["bf16"]
 
@@ -406,3 +407,31 @@ def test_report_of_every_kind_names_its_points_levers_in_its_tables(tmp_path):
                                              WarmupMeasured(None, config("small", 128)), 0.1) for n in (0, 1)])
     code, out = report(tmp_path)
     assert code == 0 and "batch size 2" in (out / "warmup.md").read_text()
+
+
+def test_a_plot_styles_every_series_apart_keeps_its_legend_off_the_data_and_its_labels_apart():
+    """45 series (more than matplotlib's 10 colours, more than the markers) each get a style of their own; the
+    legend lies beside the panels, not on them; named points drawn on top of each other get labels that do not
+    overlap once rendered; every axis label has its unit."""
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.text import Text
+
+    lines = {f"series {i:02d}": [(1.0, i + 1.0, None), (10.0, i + 2.0, None)] for i in range(45)}
+    # Five schemes at nearly one point, and one far from them: their labels start on top of each other.
+    schemes = {"a model": [(100.0 + 0.01 * i, 50.0 + 0.01 * i, f"every{2 * i + 2}") for i in range(5)]
+               + [(1000.0, 500.0, "far")]}
+    fig = _figure(plt, "Styles", "size (MiB)", [("time (ms)", lines), ("step (ms)", schemes)])
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    styles = {line.get_label(): (line.get_color(), line.get_marker(), line.get_linestyle())
+              for ax in fig.axes for line in ax.get_lines()}
+    assert len(styles) == 46 and len(set(styles.values())) == 46
+    (legend,) = fig.legends
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    assert not any(legend.get_window_extent(renderer).overlaps(ax.get_window_extent(renderer)) for ax in panels)
+    labels = [Text.get_window_extent(text, renderer) for ax in panels for text in ax.texts]  # without leaders
+    assert len(labels) == 6
+    assert not any(a.overlaps(b) for i, a in enumerate(labels) for b in labels[i + 1:])
+    assert all("(" in ax.get_xlabel() and "(" in ax.get_ylabel() for ax in panels)
+    plt.close(fig)

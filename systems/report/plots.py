@@ -15,6 +15,11 @@ from systems.report.runs import Result, Run
 
 Series = dict[str, list[tuple[float, float, str | None]]]  # label -> (x, y, the point's name) points
 MAX_TICKS = 8  # x ticks a panel labels before they would overlap
+# With matplotlib's 10 colours, a marker and a colour per series change together: 40 series before a pair repeats,
+# then the line style changes.
+MARKERS = "osD^vP*X"
+LINESTYLES = ("-", "--", ":", "-.")
+LEADER = dict(arrowstyle="-", color="0.6", linewidth=0.5, shrinkA=0, shrinkB=3)  # a moved label to its point
 Figure = Callable[[Result], float | None]
 
 
@@ -84,8 +89,26 @@ def _panels(results: list[Result], x: Figure, label: Callable[[Result], str], pa
 
 def _plot(plt, out: Path, name: str, title: str, xlabel: str, panels: list[tuple[str, Series]],
           columns: int | None = None) -> Path | None:
-    """Panels in rows of `columns` (default: one row), log-log, one line per series, each series in one color
-    throughout; nothing when no series has two points."""
+    """The figure of `_figure`, saved as `name`.png; nothing when no series has two points."""
+    fig = _figure(plt, title, xlabel, panels, columns)
+    if fig is None:
+        return None
+    path = out / f"{name}.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def styles(labels: list[str]) -> dict[str, dict]:
+    """A colour, marker and line style per label, no two labels alike."""
+    return {label: dict(color=f"C{i % 10}", marker=MARKERS[i % len(MARKERS)],
+                        linestyle=LINESTYLES[i // 40 % len(LINESTYLES)]) for i, label in enumerate(labels)}
+
+
+def _figure(plt, title: str, xlabel: str, panels: list[tuple[str, Series]], columns: int | None = None):
+    """Panels in rows of `columns` (default: one row), log-log, one line per series, each series in one style
+    throughout and named once in a legend below the panels; named points' labels moved apart until none overlap.
+    None when no series has two points."""
     panels = [(ylabel, series) for ylabel, series in panels if series]
     if not panels:
         return None
@@ -93,16 +116,21 @@ def _plot(plt, out: Path, name: str, title: str, xlabel: str, panels: list[tuple
 
     columns = min(columns or len(panels), len(panels))
     rows = -(-len(panels) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(6 * columns, 4.5 * rows), squeeze=False)
     labels = sorted({label for _, series in panels for label in series})
-    color = {label: f"C{i % 10}" for i, label in enumerate(labels)}
+    legend_columns = 2 * columns
+    legend_rows = -(-len(labels) // legend_columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(6 * columns, 4.5 * rows + 0.25 * legend_rows), squeeze=False,
+                             layout="constrained")
+    style = styles(labels)
+    names = []
     for ax, (ylabel, series) in zip(axes.flat, panels):
         for label, points in series.items():
-            xs, ys, names = zip(*points)
-            named = any(names)
-            ax.plot(xs, ys, marker="o", linestyle="none" if named else "-", label=label, color=color[label])
+            xs, ys, point_names = zip(*points)
+            named = any(point_names)
+            ax.plot(xs, ys, label=label, **style[label] | ({"linestyle": "none"} if named else {}))
             for x, y, text in points if named else ():
-                ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize="small")
+                names.append(ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize="small",
+                                         arrowprops=LEADER))
         xs = sorted({x for points in series.values() for x, *_ in points})
         ys = [y for points in series.values() for _, y, _ in points]
         # Log scales where the values span a decade or more, so that sizes doubling read as steps; else linear,
@@ -121,10 +149,41 @@ def _plot(plt, out: Path, name: str, title: str, xlabel: str, panels: list[tuple
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
     handles = {label: line for ax in axes.flat for line, label in zip(*ax.get_legend_handles_labels())}
-    axes[0][0].legend([handles[label] for label in labels], labels, fontsize="small")
+    fig.legend([handles[label] for label in labels], labels, loc="outside lower center", ncols=legend_columns,
+               fontsize="small")
     fig.suptitle("\n".join(textwrap.wrap(title, 25 * columns + 40)))
-    fig.tight_layout()  # after the title, which it makes room for
-    path = out / f"{name}.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    _spread(fig, names)
+    return fig
+
+
+def _spread(fig, texts: list) -> None:
+    """Move each label to the nearest free line above or below its point, inside its panel where one is free: no
+    two labels overlap (the layout is drawn first, so the positions are the saved figure's)."""
+    from matplotlib.text import Text
+
+    for text in texts:
+        text.set_in_layout(False)  # the labels move; the panels' layout must not follow them
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+
+    def box(text):  # the text's own extent: leader lines to nearby points may cross
+        return Text.get_window_extent(text, renderer)
+
+    placed = []
+    for text in sorted(texts, key=lambda text: box(text).y0):
+        panel = text.axes.get_window_extent(renderer)
+        if box(text).x1 > panel.x1:  # a point at the right edge: its label to its left
+            text.set_horizontalalignment("right")
+            text.xyann = (-text.xyann[0], text.xyann[1])
+        step, (dx, dy) = text.get_fontsize() * 1.2, text.xyann  # a line, in points: the offset's unit
+        outside = None  # the nearest free line outside the panel, where none inside is free
+        for lines in sorted(range(-2 * len(texts), 2 * len(texts) + 1), key=lambda k: (abs(k), -k)):
+            text.xyann = (dx, dy + lines * step)
+            if any(box(text).overlaps(other) for other in placed):
+                continue
+            if panel.y0 <= box(text).y0 and box(text).y1 <= panel.y1:
+                break
+            outside = outside or text.xyann
+        else:
+            text.xyann = outside or (dx, dy)
+        placed.append(box(text))
