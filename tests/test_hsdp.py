@@ -13,8 +13,8 @@ changes the parameters far beyond any rounding. Under NCCL only 2 x 2 runs: ever
 sum of two terms is the same in any order (1 x 4 and 4 x 1 sum four terms in NCCL's ring order).
 
 Torch's FSDP2 over a 2D mesh (TorchFSDP2) at 2 x 2 is compared exactly too: its reductions are not rank-ordered,
-but each sums two terms, and it divides by 2 before the reduce-scatter and by 2 after the all-reduce, exact in binary, so
-((a/2 + b/2) + (c/2 + d/2)) / 2 is bit for bit ((a + b)/2 + (c + d)/2) / 2.
+but each sums two terms, and it divides by 2 before the reduce-scatter and by 2 after the all-reduce, exact in
+binary, so ((a/2 + b/2) + (c/2 + d/2)) / 2 is bit for bit ((a + b)/2 + (c + d)/2) / 2.
 
 The bytes each collective sends on each axis are counted from the run and must equal systems.accounting's
 hsdp_traffic; rank 0's state must equal hsdp_memory's.

@@ -25,7 +25,8 @@ from systems.bench.options import grid_of
 
 def test_grid(request):
     grid = grid_of(request.config)
-    pathlib.Path("grid.json").write_text(json.dumps({field.name: repr(getattr(grid, field.name)) for field in dataclasses.fields(grid)}))
+    values = {field.name: repr(getattr(grid, field.name)) for field in dataclasses.fields(grid)}
+    pathlib.Path("grid.json").write_text(json.dumps(values))
 """
 
 

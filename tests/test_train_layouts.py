@@ -1,7 +1,7 @@
 """The training loop over layouts (TrainSpec.layout): `train(spec)` with our FSDP over the world, our HSDP
 (FSDP over a Mesh) at 2 x 2 and at its DDP-like end 4 x 1, and torch's HSDP (TorchFSDP2 over a 2D mesh) at 2 x 2
-trains exactly like one process (tests/layout_reference.py): the same losses and gathered parameters, compared with == and
-torch.equal in fp32. In the same ranks, bench_layouts' axis timer (systems.bench.axes) replays a step's
+trains exactly like one process (tests/layout_reference.py): the same losses and gathered parameters, compared with ==
+and torch.equal in fp32. In the same ranks, bench_layouts' axis timer (systems.bench.axes) replays a step's
 collectives on each axis's own groups.
 
 Why exact: under gloo our collectives sum in rank order (systems.parallel.collectives), which the reference
