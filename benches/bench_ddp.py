@@ -21,11 +21,10 @@ import statistics
 from systems.bench.options import grid_of, points_or_usage_error
 from systems.bench.schema import DDP_VARIANTS, DDPMeasured, DDPPoint, OptimizerMeasured, OptimizerPoint
 from systems.bench.timing import record_measured, record_point
-from systems.bench.training import memory_mb, on_rank_gpus, phases, spec_for, train_in_ranks, training_measured
+from systems.bench.training import memory_mb, on_rank_gpus, phases, train_in_ranks, training_measured
 from systems.levers.variant import Optimizer, Variant
 
 TORCH_DDP_BUCKET_MB = 25.0  # torch's default bucket_cap_mb
-SHARDED_BUCKET_MB = 25.0  # the sharded-optimizer points all train with DDPBucketed at this size
 
 
 def step_grid(grid) -> list[DDPPoint]:
@@ -63,9 +62,7 @@ def pytest_generate_tests(metafunc):
 
 def test_ddp_step(benchmark, point, rank_pools, grid, device, skip_on_oom):
     benchmark.group = f"ddp-step-{point.precision.name}-ctx{point.context}"
-    spec = spec_for(grid, preset=point.preset, edition=point.edition, variant=point.variant,
-                    bucket_size_mb=point.bucket_size_mb, precision=point.precision, batch_size=point.batch,
-                    context=point.context)
+    spec = point.spec(grid.warmup_steps, grid.rounds)
     record_point(benchmark, point)
     with skip_on_oom:
         ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec)
@@ -79,9 +76,7 @@ def test_optimizer_memory(benchmark, optimizer_point, rank_pools, grid, skip_on_
     """Optimizer state per rank and peak memory, for AdamW, ShardedOptimizer(AdamW) and ZeRO-1 of torch."""
     point = optimizer_point
     benchmark.group = f"optimizer-{point.world_size}ranks"
-    spec = spec_for(grid, preset=point.preset, edition=point.edition, variant=Variant.BUCKETED,
-                    bucket_size_mb=SHARDED_BUCKET_MB, optimizer=point.optimizer, precision=point.precision,
-                    batch_size=point.batch, context=point.context)
+    spec = point.spec(grid.warmup_steps, grid.rounds)
     record_point(benchmark, point)
     with skip_on_oom:
         ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec)

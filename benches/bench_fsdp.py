@@ -22,13 +22,12 @@ from __future__ import annotations
 import itertools
 
 from systems.bench.options import grid_of, points_or_usage_error
+from systems.bench.predictions import predicted_peak_mb
 from systems.bench.schema import FSDP_VARIANTS, FSDPMeasured, FSDPPoint
 from systems.bench.timing import record_measured, record_point
-from systems.bench.training import (breakdowns, gathered_mb, on_rank_gpus, predicted_peak_mb, spec_for,
-                                    step_breakdown, train_in_ranks, training_measured)
+from systems.bench.training import (breakdowns, gathered_mb, on_rank_gpus, step_breakdown, train_in_ranks,
+                                    training_measured)
 from systems.levers.variant import Variant
-
-DDP_BUCKET_MB = 100.0
 
 
 def fsdp_grid(grid) -> list[FSDPPoint]:
@@ -58,14 +57,11 @@ def pytest_generate_tests(metafunc):
 def test_fsdp_step(benchmark, fsdp_point, rank_pools, grid, device, skip_on_oom):
     point = fsdp_point
     benchmark.group = f"fsdp-step-{point.preset}-{point.precision.name}-ctx{point.context}"
-    levers = {} if point.variant != Variant.FSDP else dict(fsdp_prefetch=point.prefetch, fsdp_gather=point.gather)
-    spec = spec_for(grid, preset=point.preset, edition=point.edition, variant=point.variant,
-                    precision=point.precision, bucket_size_mb=DDP_BUCKET_MB if point.variant == Variant.BUCKETED
-                    else 25.0, batch_size=point.batch, context=point.context, **levers)
+    spec = point.spec(grid.warmup_steps, grid.rounds)
     record_point(benchmark, point)
     with skip_on_oom:
         ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec, step_breakdown)
     record_measured(benchmark, FSDPMeasured(
         **training_measured(spec, ranks, point.world_size, device),
-        predicted_peak_mb=predicted_peak_mb(spec, point.world_size, device), peak_gathered_mb=gathered_mb(ranks),
-        breakdown_per_rank=breakdowns(ranks)))
+        predicted_peak_mb=predicted_peak_mb(spec, point.world_size, device.type),
+        peak_gathered_mb=gathered_mb(ranks), breakdown_per_rank=breakdowns(ranks)))

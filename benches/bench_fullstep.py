@@ -39,13 +39,13 @@ import torch
 
 from systems.accounting import flops, recomputed_flops
 from systems.bench.options import grid_of
+from systems.bench.predictions import predicted_peak_mb
 from systems.bench.schema import FullStepMeasured, FullStepPoint
 from systems.bench.timing import record_measured, record_point, seconds_since_process_start
-from systems.bench.training import (breakdowns, gathered_mb, on_rank_gpus, predicted_peak_mb, spec_for,
-                                    step_breakdown, train_in_ranks, training_measured)
+from systems.bench.training import (breakdowns, gathered_mb, on_rank_gpus, step_breakdown, train_in_ranks,
+                                    training_measured)
 from systems.leaderboard import agreed_step_ms
 from systems.levers.variant import Variant
-from systems.parallel.spec import TrainSpec
 
 # do_bench runs as many steps as fit in its time budgets, as each rank measures them; every rank must run the
 # same number (a step is collectives), so the budgets sit halfway between step counts of the agreed step time.
@@ -85,30 +85,22 @@ def leaderboard_timing(model, step) -> dict:
     return {"do_bench_s": seconds} | step_breakdown(model, step)
 
 
-def spec_of(point: FullStepPoint, grid) -> TrainSpec:
-    levers = {} if point.variant != Variant.FSDP else dict(fsdp_prefetch=point.prefetch, fsdp_gather=point.gather)
-    return spec_for(grid, preset=point.preset, edition=point.edition, variant=point.variant,
-                    precision=point.precision, batch_size=point.batch, context=point.context,
-                    attention=point.attention, checkpoint=point.checkpoint, loss_chunk=point.loss_chunk,
-                    fused=point.fused, compile=point.compile, **levers)
-
-
 def test_fullstep(benchmark, fullstep_point, rank_pools, grid, device, skip_on_oom):
     point = fullstep_point
     benchmark.group = f"fullstep-{point.preset}-{point.precision.name}-ctx{point.context}"
-    spec = spec_of(point, grid)
+    spec = point.spec(grid.warmup_steps, grid.rounds).resolved(device.type)
     record_point(benchmark, point)
     with skip_on_oom:
         ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec, leaderboard_timing)
     cold_start = seconds_since_process_start()
     do_bench = max(rank["do_bench_s"] for rank in ranks) if "do_bench_s" in ranks[0] else None
-    config = spec.config(device.type)
+    config = spec.config()
     model = flops(config, point.batch, point.context)
     measured = training_measured(spec, ranks, point.world_size, device, step_seconds=do_bench,
                                  step_flops=model.flash_step)
     peaks = [max(rank["memory_mb"].values()) for rank in ranks] if "memory_mb" in ranks[0] else None
     record_measured(benchmark, FullStepMeasured(
-        **measured, predicted_peak_mb=predicted_peak_mb(spec, point.world_size, device),
+        **measured, predicted_peak_mb=predicted_peak_mb(spec, point.world_size, device.type),
         peak_gathered_mb=gathered_mb(ranks), breakdown_per_rank=breakdowns(ranks), do_bench_s=do_bench,
         cold_start_s=cold_start,
         step_pflop=point.world_size * model.flash_step / 1e15,

@@ -21,7 +21,7 @@ from systems.bench.axes import axis_timer
 from systems.bench.options import grid_of
 from systems.bench.schema import LAYOUT_BUCKET_MB, AxisComm, LayoutMeasured, LayoutPoint
 from systems.bench.timing import record_measured, record_point
-from systems.bench.training import on_rank_gpus, spec_for, train_in_ranks, training_measured
+from systems.bench.training import on_rank_gpus, train_in_ranks, training_measured
 from systems.levers.layout import Layout
 from systems.levers.variant import Variant
 
@@ -54,10 +54,8 @@ def pytest_generate_tests(metafunc):
 def test_layout_step(benchmark, layout_point, rank_pools, grid, device, skip_on_oom):
     point = layout_point
     benchmark.group = f"layouts-{point.preset}-{point.precision.name}-ctx{point.context}-{point.world_size}ranks"
-    spec = spec_for(grid, preset=point.preset, edition=point.edition, variant=point.variant,
-                    layout=point.layout if point.variant.meshed else None, precision=point.precision,
-                    batch_size=point.batch, context=point.context, bucket_size_mb=LAYOUT_BUCKET_MB)
-    config = spec.config(device.type)
+    spec = point.spec(grid.warmup_steps, grid.rounds)
+    config = spec.config()
     collectives = (ddp_collectives(config, spec.precision, point.world_size, LAYOUT_BUCKET_MB)
                    if point.variant == Variant.BUCKETED
                    else fsdp_collectives(config, spec.precision, point.layout, spec.fsdp_gather))

@@ -31,9 +31,7 @@ from systems.bench.timing import record_measured, record_point, record_timings, 
 from systems.bench.training import BACKEND, on_rank_gpus
 from systems.leaderboard import (CPU_REP_MS, CPU_WARMUP_MS, HANDOUT_REP_MS, HANDOUT_WARMUP_MS, Reference,
                                  run_leaderboard)
-from systems.levers.variant import Variant
 from systems.model import get_config
-from systems.parallel.spec import TrainSpec
 
 REFERENCE = Reference()
 
@@ -66,14 +64,11 @@ def pytest_generate_tests(metafunc):
 
 
 def config_of(point: LeaderboardPoint, device: torch.device):
-    """Ours: the preset with its levers (TrainSpec resolves the checkpointing scheme for the rank's batch); the
-    reference: the preset's sizes alone."""
+    """Ours: the preset with its levers (nested checkpointing resolved for the rank's batch); the reference: the
+    preset's sizes alone."""
     if point.model != "ours":
         return get_config(point.preset, point.edition, context_length=point.context)
-    return TrainSpec(preset=point.preset, edition=point.edition, variant=Variant.FSDP, precision=point.precision,
-                     batch_size=point.batch // point.world_size, context=point.context, checkpoint=point.checkpoint,
-                     loss_chunk=point.loss_chunk, attention=point.attention, fused=point.fused,
-                     compile=point.compile).config(device.type)
+    return point.spec().resolved(device.type).config()
 
 
 def test_leaderboard(benchmark, leaderboard_point, rank_pools, device, skip_on_oom):

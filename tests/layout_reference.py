@@ -48,7 +48,7 @@ def train_one_process(spec: TrainSpec, layout: Layout, device: torch.device, ext
     the same inputs (test_checkpointing)."""
     if spec.precision != PRECISIONS["fp32"]:
         raise ValueError("the reference computes in fp32")
-    config = dataclasses.replace(spec.config(device.type), checkpoint=(), checkpoint_keep=0,
+    config = dataclasses.replace(spec.config(), checkpoint=(), checkpoint_keep=0,
                                  checkpoint_saves=Saves.INPUTS)
     torch.manual_seed(spec.seed)  # rank 0's
     model = make_model(config, device, spec.precision)

@@ -10,12 +10,15 @@ from importlib.metadata import entry_points
 import pytest
 
 from systems.attention import BENCHED_BACKENDS
-from systems.bench.options import OPTIONS, Grid, _as_option_type, _list
+from systems.bench.options import OPTIONS, Grid, _list
 from systems.levers.checkpointing import Checkpointing
 from systems.levers.layout import Layout
 from systems.levers.sharding import Gather
+from systems.levers.spelling import as_option_type
 from systems.levers.variant import Variant
 from systems.model import EDITIONS, Attention, Fused
+from systems.parallel.__main__ import parse_args
+from systems.parallel.spec import TrainSpec
 from systems.precision import PRECISIONS
 
 NOTHING = "def test_nothing(): pass"
@@ -155,10 +158,48 @@ def test_the_grid_holds_each_options_objects_and_refuses_text():
     """Grid's fields are typed from the options' parsers and checked: the parsed defaults make a Grid, and text
     where a bench reads objects (a precision's name, a number as text) is a TypeError naming the field."""
     defaults = {option.dest: None if option.default is None else
-                (_list(option.parse, option.empty) if option.many else _as_option_type(option.parse))(option.default)
+                (_list(option.parse, option.empty) if option.many else as_option_type(option.parse))(option.default)
                 for option in OPTIONS.values()}
     grid = Grid(**defaults)
     assert grid.precisions == [PRECISIONS["fp32"], PRECISIONS["bf16"]] and grid.rounds == 5
     for name, text in [("precisions", ["bf16"]), ("rounds", "5"), ("loss_chunk", "48"), ("checkpoint", "none")]:
         with pytest.raises(TypeError, match=f"grid option {name} must be"):
             Grid(**defaults | {name: text})
+
+
+# Grid options that sweep a training run's lever, by the TrainSpec field they set.
+LEVER_OPTIONS = {"precisions": "precision", "batch_size": "batch_size", "attention": "attention",
+                 "warmup_steps": "warmup", "rounds": "steps", "checkpoint": "checkpoint", "fused": "fused",
+                 "compile_blocks": "compile",
+                 "bucket_sizes_mb": "bucket_size_mb", "fsdp_prefetch": "fsdp_prefetch", "fsdp_gather": "fsdp_gather",
+                 "layouts": "layout", "loss_chunk": "loss_chunk", "edition": "edition", "contexts": "context"}
+
+
+@pytest.mark.parametrize("dest, field", LEVER_OPTIONS.items())
+def test_a_grid_option_and_torchruns_flag_parse_a_lever_with_its_one_parser(dest, field):
+    assert OPTIONS[dest].parse is TrainSpec.parser(field)
+
+
+@pytest.mark.parametrize("flags, field, value", [
+    (["--loss-chunk", "none"], "loss_chunk", None), (["--loss-chunk", "full"], "loss_chunk", None),
+    (["--loss-chunk", "64"], "loss_chunk", 64), (["--fsdp-prefetch", "3"], "fsdp_prefetch", 3),
+    (["--compile", "on"], "compile", True), (["--checkpoint", "every2-keep1"], "checkpoint", Checkpointing((2,), 1)),
+    (["--variant", "hsdp", "--layout", "2x2"], "layout", Layout(replicate=2, shard=2)),
+    (["--precision", "bf16"], "precision", PRECISIONS["bf16"])])
+def test_torchruns_flags_are_the_specs_fields(flags, field, value):
+    launch, spec = parse_args(["--backend", "gloo", *flags])
+    assert getattr(spec, field) == value
+
+
+@pytest.mark.parametrize("flags, message", [(["--fsdp-prefetch", "0"], "--fsdp-prefetch: prefetch must be at least 1"),
+                                            (["--loss-chunk", "-4"], "--loss-chunk: -4 is not positive"),
+                                            (["--variant", "fsdp2x"], "--variant: unknown variant")])
+def test_a_bad_torchrun_flag_is_a_usage_error_naming_it(flags, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--backend", "gloo", *flags])
+    assert message in capsys.readouterr().err
+
+
+def test_torchruns_command_line_resolves_nested_checkpointing_where_the_run_starts():
+    launch, spec = parse_args(["--backend", "gloo", "--preset", "small", "--checkpoint", "nested"])
+    assert spec.checkpoint.levels is not None and len(spec.config().checkpoint) == 2

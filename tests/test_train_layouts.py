@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from layout_reference import assert_trained_alike, train_one_process
-from systems.accounting import transformer as transformer_accounting
+from systems.parallel import spec as spec_module
 from systems.accounting.traffic import fsdp_collectives
 from systems.bench import axes
 from systems.bench.axes import axis_timer
@@ -67,7 +67,7 @@ def replayed_axes(model, step) -> dict:
         return record
 
     layout = AXIS_SPEC.layout_for(WORLD_SIZE)
-    collectives = fsdp_collectives(AXIS_SPEC.config("cpu"), AXIS_SPEC.precision, layout, AXIS_SPEC.fsdp_gather)
+    collectives = fsdp_collectives(AXIS_SPEC.config(), AXIS_SPEC.precision, layout, AXIS_SPEC.fsdp_gather)
     timer = axis_timer(layout, collectives, plain_all_reduce=False, rounds=AXIS_ROUNDS)
     with (mock.patch.object(axes, "all_gather", recorded("all_gather", axes.all_gather,
                                                          lambda outputs, shards, name, group: shards[0].numel())),
@@ -107,7 +107,7 @@ def test_training_moves_every_parameter(trained):
     """Guards the comparisons against a run in which nothing trains."""
     params = trained[0]["hsdp-2x2"]["params"]
     torch.manual_seed(BASE.seed)
-    initial = make_model(BASE.config("cpu"), torch.device("cpu"), PRECISIONS["fp32"])
+    initial = make_model(BASE.config(), torch.device("cpu"), PRECISIONS["fp32"])
     assert all(not torch.equal(params[name], p.detach()) for name, p in initial.named_parameters())
 
 
@@ -165,17 +165,22 @@ def test_the_other_variants_lay_out_every_rank_along_their_own_axis(variant, wor
     assert Variant(variant).world_layout(world_size) == layout
 
 
-def test_a_spec_checks_its_levers_without_searching_for_nested_levels(monkeypatch):
+def test_a_spec_checks_its_levers_and_resolves_nested_levels_once_where_the_run_starts(monkeypatch):
     """Nested checkpointing's levels are the accounting's search over the model and batch: a spec is checked
-    without it, and the run's config (spec.config, where the run starts) has the levels it finds."""
+    without it, `resolved` searches once (where the run starts), and the resolved spec's config has the levels
+    without searching again; an unresolved spec has no config."""
     found = []
 
     def search(config, *args, **kwargs):
         found.append(config.num_layers)
         return (2, 1)
 
-    monkeypatch.setattr(transformer_accounting, "nested_checkpoint", search)
+    monkeypatch.setattr(spec_module, "nested_checkpoint", search)
     spec = TrainSpec(checkpoint="nested-keep1", preset="small")
     assert found == []
-    config = spec.config("cpu")
+    with pytest.raises(ValueError, match="resolved"):
+        spec.config()
+    resolved = spec.resolved("cpu")
+    config = resolved.config()
+    assert resolved.resolved("cpu") is resolved and resolved.config() == config
     assert found == [config.num_layers] and (config.checkpoint, config.checkpoint_keep) == ((2, 1), 1)

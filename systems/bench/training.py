@@ -14,13 +14,12 @@ import statistics
 
 import torch
 
-from systems.accounting import flops, fsdp_memory, peak_memory
+from systems.accounting import flops
 from systems.bench.breakdown import StepBreakdown, profile_step
 from systems.bench.leases import on_gpus
 from systems.bench.schema import Phases, Point
 from systems.bench.schema.records import to_record
 from systems.bench.timing import record_timings, throughput
-from systems.levers.variant import Variant
 from systems.parallel.spec import TrainSpec
 from systems.parallel.train import train
 
@@ -30,11 +29,6 @@ BACKEND = "nccl" if torch.cuda.is_available() else "gloo"
 def on_rank_gpus(points: list[Point]) -> list:
     """The points as parameters, each holding its world size in GPUs under NCCL (systems.bench.leases)."""
     return [on_gpus(point, point.world_size if BACKEND == "nccl" else 0) for point in points]
-
-
-def spec_for(grid, **fields) -> TrainSpec:
-    """The grid's training settings (warm-up and timed steps), with `fields`."""
-    return TrainSpec(warmup=grid.warmup_steps, steps=grid.rounds, **fields)
 
 
 def train_in_ranks(benchmark, rank_pools, world_size: int, spec: TrainSpec, after_training=None) -> list[dict]:
@@ -82,23 +76,8 @@ def training_measured(spec: TrainSpec, ranks: list[dict], world_size: int, devic
     ranks' median step) of `step_flops` (default the model's step FLOPs per rank)."""
     timed = phases(ranks)
     step = step_seconds or timed.step_s
-    config = spec.config(device.type)
+    config = spec.config()
     counted = step_flops or flops(config, spec.batch_size, spec.context).step
     return dict(backend=BACKEND, phases=timed, tokens_per_s=world_size * spec.batch_size * spec.context / step,
                 throughput=throughput(seconds=step, flops=counted, device=device, precision=spec.precision),
                 memory_mb=memory_mb(ranks), config=to_record(config))
-
-
-def predicted_peak_mb(spec: TrainSpec, world_size: int, device: torch.device) -> float | None:
-    """The largest rank's predicted peak: systems.accounting.fsdp_memory for our FSDP, peak_memory otherwise;
-    None for torch's FSDP2, whose per-block gathers and sharded state the accounting does not model."""
-    if spec.variant == Variant.FSDP2:
-        return None
-    config = spec.config(device.type)
-    if spec.variant == Variant.FSDP:
-        peak = fsdp_memory(config, spec.batch_size, spec.context, spec.precision, world_size, device=device.type,
-                           prefetch=spec.fsdp_prefetch, gather=spec.fsdp_gather).peak
-    else:
-        peak = peak_memory(config, spec.batch_size, spec.context, spec.precision, device=device.type).train_step
-    return peak / 2**20
-

@@ -5,6 +5,7 @@ a fixed policy that its memory accounting (systems.accounting.sharding) reads to
 from __future__ import annotations
 
 from systems.choice import Choice
+from systems.levers.spelling import number
 
 
 class Gather(Choice):
@@ -26,5 +27,10 @@ def check_prefetch(prefetch: int) -> int:
     if prefetch < 1:
         raise ValueError(f"prefetch must be at least 1, got {prefetch}")
     return prefetch
+
+
+def parse_prefetch(text: str) -> int:
+    return check_prefetch(number(int, text))
+
 
 REDUCE_SCATTERS_IN_FLIGHT = 2  # a waited reduce-scatter frees its full-size gradients

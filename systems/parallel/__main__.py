@@ -3,7 +3,7 @@
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node 2 -m systems.parallel \\
         --preset small --variant bucketed --bucket-size-mb 25 --steps 10
 
-One option per TrainSpec field (`--bucket-size-mb` for bucket_size_mb), each parsed with its lever's own parser;
+One option per TrainSpec field (`--bucket-size-mb` for bucket_size_mb), each parsed with its lever's one parser;
 beside them `--backend`, `--timeout` and `--save-params FILE` say how the ranks run. On several nodes, one torchrun
 per node with the same c10d rendezvous endpoint (docs/multinode.md). docs/design-notes.md has the options' details.
 """
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from systems.choice import on_off
+from systems.levers.spelling import as_option_type
 from systems.parallel.parallelize import full_parameters
 from systems.parallel.ranks import GROUP_BACKENDS, init_from_env
 from systems.parallel.spec import TrainSpec
@@ -85,25 +85,17 @@ def parse_args(argv: list[str] | None) -> tuple[Launch, TrainSpec]:
                         help="seconds a collective may wait (rendezvous included) before it fails the rank")
     parser.add_argument("--save-params", default=None, help="rank 0 saves the trained parameters here")
     for field in dataclasses.fields(TrainSpec):
-        parser.add_argument(f"--{field.name.replace('_', '-')}", type=_FIELD_TYPES.get(field.name, str),
-                            default=field.default)
+        parser.add_argument(f"--{field.name.replace('_', '-')}", type=as_option_type(field.metadata["parse"]),
+                            default=field.default, help=field.metadata["help"])
     args = vars(parser.parse_args(argv))
     launch = Launch(*(args.pop(name) for name in ("backend", "timeout", "save_params")))
     if not launch.timeout > 0:
         parser.error(f"--timeout must be positive, got {launch.timeout}")
     try:
-        return launch, TrainSpec(**args)
+        spec = TrainSpec(**args)
     except ValueError as exc:
         parser.error(str(exc))
-
-
-def _optional_int(text: str) -> int | None:
-    return None if text == "none" else int(text)
-
-
-# Fields whose text is a number; the others (names, schemes, presets, layouts) go to TrainSpec's parsers as text.
-_FIELD_TYPES = {"batch_size": int, "context": int, "warmup": int, "steps": int, "seed": int, "lr": float,
-                "fsdp_prefetch": int, "bucket_size_mb": float, "loss_chunk": _optional_int, "compile": on_off}
+    return launch, spec.resolved("cuda" if launch.backend == "nccl" else "cpu")
 
 
 def print_result(result: dict) -> None:

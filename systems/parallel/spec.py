@@ -1,67 +1,87 @@
 """What a data-parallel training run is: `TrainSpec`, every lever of it typed and checked once.
 
-A lever arrives as text (an option, torchrun's command line) or as its object; `TrainSpec` turns text into the
-object with the lever's own parser (`get_precision`, `Attention`, `Fused`, and systems.levers' `Variant`,
-`Optimizer`, `Gather`, `Checkpointing.parse`; `data_layout` here), and keeps the object. Whether a layout fits
-the process group is checked where the group exists (`layout_for`, called by `train`). `parallelize`
-(systems.parallel.parallelize) and `train` (systems.parallel.train) read it; it imports nothing of
-torch.distributed, so reading a history does not.
+Each field names its lever's one text parser and help (`lever`): torchrun's command line (systems.parallel's
+`--bucket-size-mb`) and the benchmarks' options are made from them, and TrainSpec given text parses it with the
+same function. Nested checkpointing's levels are worked out once, where a run starts (`resolved`); `config` is
+then the model the run trains, without a search. Whether a layout fits the process group is checked where the
+group exists (`layout_for`). It imports nothing of torch.distributed, so reading a history does not.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from systems.accounting.transformer import checkpointed
+from systems.accounting.transformer import nested_checkpoint
+from systems.choice import on_off
+from systems.levers import spelling
 from systems.levers.checkpointing import Checkpointing
 from systems.levers.layout import Layout
-from systems.levers.sharding import DEFAULT_GATHER, DEFAULT_PREFETCH, Gather, check_prefetch
+from systems.levers.sharding import DEFAULT_GATHER, DEFAULT_PREFETCH, Gather, check_prefetch, parse_prefetch
 from systems.levers.variant import Optimizer, Variant
 from systems.loss import check_chunk
-from systems.model import DEFAULT_EDITION, Attention, Fused, TransformerConfig, get_config
+from systems.model import DEFAULT_EDITION, EDITIONS, Attention, Fused, TransformerConfig, get_config
 from systems.precision import PRECISIONS, Precision, get_precision
+
+
+def data_layout(layout: Layout | str) -> Layout:
+    """A training run's layout, or its text: replicas x shards, since the training loop has no tensor
+    parallelism (systems.parallel.tensor)."""
+    layout = Layout.parse(layout)
+    if layout.tensor != 1:
+        raise ValueError(f"layout {layout}: the training loop has no tensor parallelism (systems.parallel.tensor); "
+                         f"give replicas x shards, e.g. 2x2")
+    return layout
+
+
+def lever(default, parse: Callable[[str], object], help: str):
+    """A TrainSpec field: its default, the one parser of its text and what it means."""
+    return dataclasses.field(default=default, metadata={"parse": parse, "help": help})
 
 
 @dataclass(frozen=True)
 class TrainSpec:
-    preset: str = "tiny"
-    edition: str = DEFAULT_EDITION  # whose table names the preset (systems.model.EDITIONS)
-    variant: Variant = Variant.BUCKETED
-    bucket_size_mb: float | None = 25.0  # bucketed and torch; None: one bucket (bucketed only)
-    optimizer: Optimizer = Optimizer.ADAMW
-    precision: Precision = PRECISIONS["fp32"]  # bf16-weights all-reduces bf16 gradients
-    batch_size: int = 4  # per rank
-    context: int = 128
-    warmup: int = 2
-    steps: int = 5  # timed, after the warm-up steps
-    lr: float = 1e-3
-    seed: int = 0
-    # The model's levers (systems.model.TransformerConfig): which blocks the backward recomputes and what it
-    # keeps, tokens per chunk of the chunked cross-entropy (None: the whole logits), the attention backend, the
-    # fused Triton kernels, torch.compile of each block.
-    checkpoint: Checkpointing = Checkpointing(())
-    loss_chunk: int | None = None
-    attention: Attention = Attention.SDPA
-    fused: Fused = Fused.NONE
-    compile: bool = False
-    fsdp_prefetch: int = DEFAULT_PREFETCH  # our FSDP's all-gathers in flight ahead of the computing layer
-    fsdp_gather: Gather = DEFAULT_GATHER  # our FSDP's collectives: one per layer's weight, or one per block
-    # hsdp and torch-hsdp's replicas x shards ("2x2": two replicas, each sharded over two ranks); the other
-    # variants take none (they share the step over the whole world: `Variant.world_layout`).
-    layout: Layout | None = None
+    preset: str = lever("tiny", spelling.name, "model preset (systems.model.EDITIONS)")
+    edition: str = lever(DEFAULT_EDITION, spelling.one_of(tuple(EDITIONS), "edition"),
+                         "the CS336 edition whose table names the preset: 2025 or 2026")
+    variant: Variant = lever(Variant.BUCKETED, Variant, "how the ranks share the step: " + ", ".join(Variant))
+    bucket_size_mb: float | None = lever(25.0, spelling.positive(float),
+                                         "DDP bucket size, MiB (bucketed and torch; None in Python: one bucket)")
+    optimizer: Optimizer = lever(Optimizer.ADAMW, Optimizer, "optimizer: " + ", ".join(Optimizer))
+    precision: Precision = lever(PRECISIONS["fp32"], get_precision,
+                                 "fp32, bf16 (autocast), fp16, bf16-weights (bf16 weights and gradients)")
+    batch_size: int = lever(4, spelling.positive(int), "sequences per step, per rank")
+    context: int = lever(128, spelling.positive(int), "tokens per sequence")
+    warmup: int = lever(2, spelling.at_least_zero, "untimed steps first")
+    steps: int = lever(5, spelling.positive(int), "timed steps, after the warm-up")
+    lr: float = lever(1e-3, spelling.positive(float), "learning rate")
+    seed: int = lever(0, spelling.integer, "seed of rank 0's weights and every rank's batches")
+    checkpoint: Checkpointing = lever(Checkpointing(()), Checkpointing.parse,
+                                      "which blocks the backward recomputes: none, everyK, KxK, nested, attn, ops; "
+                                      "-keepN leaves the top N blocks out")
+    loss_chunk: int | None = lever(None, spelling.chunk, "tokens per chunk of the cross-entropy, or full")
+    attention: Attention = lever(Attention.SDPA, Attention, "attention backend: " + ", ".join(Attention))
+    fused: Fused = lever(Fused.NONE, Fused, "the model's fused Triton kernels: " + ", ".join(Fused))
+    compile: bool = lever(False, on_off, "torch.compile of each block: off or on")
+    fsdp_prefetch: int = lever(DEFAULT_PREFETCH, parse_prefetch,
+                               "our FSDP's all-gathers in flight ahead of the computing layer")
+    fsdp_gather: Gather = lever(DEFAULT_GATHER, Gather, "what one of our FSDP's collectives covers: layer or block")
+    layout: Layout | None = lever(None, data_layout, "hsdp and torch-hsdp's replicas x shards, e.g. 2x2 (the other "
+                                  "variants share the step over the whole world)")
 
     def __post_init__(self):
-        parsers = {"variant": Variant, "optimizer": Optimizer, "precision": get_precision, "attention": Attention,
-                   "fused": Fused, "fsdp_gather": Gather, "checkpoint": Checkpointing.parse}
-        for name, parse in parsers.items():
-            object.__setattr__(self, name, parse(getattr(self, name)))
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, str):
+                object.__setattr__(self, field.name, field.metadata["parse"](value))
         if self.variant.meshed and self.layout is None:
             raise ValueError(f"{self.variant} needs a layout of replicas x shards, e.g. 2x2")
         if not self.variant.meshed and self.layout is not None:
             raise ValueError(f"a layout is for {Variant.HSDP} and {Variant.TORCH_HSDP}; {self.variant} shares the "
                              f"step over every rank")
         if self.layout is not None:
-            object.__setattr__(self, "layout", data_layout(self.layout))
+            data_layout(self.layout)
         if self.variant.sharded and self.optimizer != Optimizer.ADAMW:
             raise ValueError(f"{self.variant} shards the optimizer state itself: use optimizer 'adamw'")
         if self.variant == Variant.TORCH and self.bucket_size_mb is None:
@@ -73,7 +93,12 @@ class TrainSpec:
             check_chunk(self.loss_chunk)
         if min(self.batch_size, self.context, self.steps) < 1 or self.warmup < 0:
             raise ValueError("batch_size, context and steps must be positive and warmup non-negative")
-        self.checkpoint.configure(self._unchecked_config())  # a known preset, and levers that go together
+        self.checkpoint.configure(self._levered_config())  # a known preset, and levers that go together
+
+    @classmethod
+    def parser(cls, name: str) -> Callable[[str], object]:
+        """The one parser of lever `name`'s text."""
+        return next(field for field in dataclasses.fields(cls) if field.name == name).metadata["parse"]
 
     def layout_for(self, world_size: int) -> Layout:
         """This run's layout on a process group of `world_size` ranks, which must be as many as it has."""
@@ -83,22 +108,23 @@ class TrainSpec:
                              f"has {world_size}")
         return layout
 
-    def config(self, device: str = "cuda") -> TransformerConfig:
-        """The model this run trains; `device` ("cuda" or "cpu") decides nested checkpointing's sizes."""
-        return checkpointed(self.checkpoint, self._unchecked_config(), self.batch_size, self.context, self.precision,
-                            device=device)
+    def resolved(self, device: str) -> TrainSpec:
+        """This run with nested checkpointing's levels worked out for its model and batch on `device` ("cuda" or
+        "cpu"), as a run does once where it starts; a spec of any other scheme is already resolved."""
+        if self.checkpoint.levels is not None:
+            return self
+        levels = nested_checkpoint(self.checkpoint.configure(self._levered_config()), self.batch_size, self.context,
+                                   self.precision, device=device)
+        return dataclasses.replace(self, checkpoint=dataclasses.replace(self.checkpoint, levels=levels))
 
-    def _unchecked_config(self) -> TransformerConfig:
+    def config(self) -> TransformerConfig:
+        """The model this run trains."""
+        if self.checkpoint.levels is None:
+            raise ValueError("nested checkpointing's levels are worked out where the run starts: "
+                             "TrainSpec.resolved(device) first")
+        return self.checkpoint.configure(self._levered_config())
+
+    def _levered_config(self) -> TransformerConfig:
         """The preset with this run's levers but not yet its checkpointing."""
         return get_config(self.preset, self.edition, context_length=self.context, loss_chunk=self.loss_chunk,
                           attention=self.attention, fused=self.fused, compile=self.compile)
-
-
-def data_layout(layout: Layout | str) -> Layout:
-    """A training run's layout, or its text: replicas x shards, since the training loop has no tensor
-    parallelism (systems.parallel.tensor)."""
-    layout = Layout.parse(layout)
-    if layout.tensor != 1:
-        raise ValueError(f"layout {layout}: the training loop has no tensor parallelism (systems.parallel.tensor); "
-                         f"give replicas x shards, e.g. 2x2")
-    return layout

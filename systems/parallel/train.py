@@ -78,7 +78,7 @@ def train(spec: TrainSpec, after_training: Callable[..., dict] | None = None) ->
     rank = Rank.current(spec)
     torch.manual_seed(spec.seed + rank.index)  # ranks start apart; the wrapper broadcasts rank 0's weights
     memory = PeakMeter(rank.device)
-    config = spec.config(rank.device.type)
+    config = spec.config()
     precision = spec.precision
     model = parallelize(make_model(config, rank.device, precision), spec, rank.device, rank.layout)
     optimizer = build_optimizer(model, spec)

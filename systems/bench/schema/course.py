@@ -14,7 +14,9 @@ from systems.bench.schema.base import Measured, Point
 from systems.bench.schema.distributed import CollectiveShape
 from systems.bench.schema.model import kernel_levers
 from systems.levers.checkpointing import Checkpointing
+from systems.levers.variant import Variant
 from systems.model import Attention, Fused
+from systems.parallel.spec import TrainSpec
 from systems.parallel.swiglu import FFNLayout, Placement
 from systems.precision import Precision
 
@@ -146,6 +148,14 @@ class LeaderboardPoint(Point, kind="leaderboard", measured=LeaderboardMeasured):
     warmup_ms: float
     fused: Fused = Fused.NONE  # ours: the model's fused Triton kernels
     compile: bool = False  # ours: each block through torch.compile
+
+    def spec(self) -> TrainSpec:
+        """Ours: the run of one rank's share of the batch (do_bench times it; the spec's steps are not used)."""
+        if self.model != "ours":
+            raise ValueError(f"the {self.model} model is not ours: it has no TrainSpec")
+        return TrainSpec(preset=self.preset, edition=self.edition, variant=Variant.FSDP, precision=self.precision,
+                         batch_size=self.batch // self.world_size, context=self.context, checkpoint=self.checkpoint,
+                         loss_chunk=self.loss_chunk, attention=self.attention, fused=self.fused, compile=self.compile)
 
     def __str__(self) -> str:
         levers = "" if self.model != "ours" else (f"-{self.attention}-{self.checkpoint}-loss"

@@ -17,12 +17,15 @@ from systems.levers.checkpointing import Checkpointing
 from systems.levers.sharding import Gather
 from systems.levers.variant import Optimizer, Variant
 from systems.model import Attention, Fused
+from systems.parallel.spec import TrainSpec
 from systems.precision import Precision
 
 # One process and torch's DistributedDataParallel come first, in grids and tables: the others compare with them.
 DDP_VARIANTS = (Variant.SINGLE, Variant.TORCH, Variant.NAIVE, Variant.FLAT, Variant.INDIVIDUAL, Variant.BUCKETED)
 # The FSDP comparison: one process, our bucketed DDP, our FSDP, torch's FSDP2.
 FSDP_VARIANTS = (Variant.SINGLE, Variant.BUCKETED, Variant.FSDP, Variant.FSDP2)
+SHARDED_BUCKET_MB = 25.0  # the sharded-optimizer points all train with DDPBucketed at this size
+FSDP_DDP_BUCKET_MB = 100.0  # the bucket size of bucketed DDP beside FSDP
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,15 @@ class TrainingShape:
     def shape_id(self) -> str:
         return (f"{self.preset}-{self.edition}-{self.precision.name}-b{self.batch}-ctx{self.context}-"
                 f"{self.world_size}ranks")
+
+    def spec(self, warmup: int = TrainSpec.warmup, steps: int = TrainSpec.steps) -> TrainSpec:
+        """The run that measures this point: `warmup` untimed steps, then `steps` timed ones."""
+        return TrainSpec(preset=self.preset, edition=self.edition, precision=self.precision, batch_size=self.batch,
+                         context=self.context, warmup=warmup, steps=steps, **self.levers())
+
+    def levers(self) -> dict:
+        """The TrainSpec fields this kind of point sets beside its shape."""
+        return {}
 
 
 @dataclass(frozen=True)
@@ -125,6 +137,9 @@ class DDPPoint(TrainingShape, Point, kind="ddp", measured=DDPMeasured):
     variant: Variant  # one of DDP_VARIANTS
     bucket_size_mb: float | None  # DDPBucketed's, and torch DDP's bucket_cap_mb
 
+    def levers(self) -> dict:
+        return dict(variant=self.variant, bucket_size_mb=self.bucket_size_mb)
+
     def __str__(self) -> str:
         bucket = "" if self.bucket_size_mb is None else f"-{self.bucket_size_mb:g}MiB"
         return f"{self.variant}{bucket}-{self.shape_id()}"
@@ -152,6 +167,9 @@ class OptimizerPoint(TrainingShape, Point, kind="optimizer", measured=OptimizerM
 
     optimizer: Optimizer
 
+    def levers(self) -> dict:
+        return dict(variant=Variant.BUCKETED, bucket_size_mb=SHARDED_BUCKET_MB, optimizer=self.optimizer)
+
     def __str__(self) -> str:
         return f"{self.optimizer}-{self.shape_id()}"
 
@@ -168,10 +186,19 @@ def _levers(variant: Variant, gather: Gather | None, prefetch: int | None) -> st
     return f"-{gather}-prefetch{prefetch}" if variant == Variant.FSDP else ""
 
 
+def _fsdp_levers(variant: Variant, gather: Gather | None, prefetch: int | None) -> dict:
+    """Our FSDP's levers as TrainSpec fields; the other variants take the defaults."""
+    return dict(fsdp_gather=gather, fsdp_prefetch=prefetch) if variant == Variant.FSDP else {}
+
+
 class FSDPPoint(TrainingShape, Point, kind="fsdp", measured=FSDPMeasured):
     variant: Variant  # one of FSDP_VARIANTS
     gather: Gather | None  # our FSDP's (None for the other variants)
     prefetch: int | None
+
+    def levers(self) -> dict:
+        bucket = {"bucket_size_mb": FSDP_DDP_BUCKET_MB} if self.variant == Variant.BUCKETED else {}
+        return dict(variant=self.variant) | bucket | _fsdp_levers(self.variant, self.gather, self.prefetch)
 
     def __str__(self) -> str:
         return f"{self.variant}-{self.shape_id()}{_levers(self.variant, self.gather, self.prefetch)}"
@@ -199,6 +226,11 @@ class FullStepPoint(TrainingShape, Point, kind="fullstep", measured=FullStepMeas
     prefetch: int | None
     fused: Fused = Fused.NONE  # the model's fused Triton kernels
     compile: bool = False  # each block through torch.compile
+
+    def levers(self) -> dict:
+        return dict(variant=self.variant, attention=self.attention, checkpoint=self.checkpoint,
+                    loss_chunk=self.loss_chunk, fused=self.fused, compile=self.compile) | _fsdp_levers(
+                        self.variant, self.gather, self.prefetch)
 
     def __str__(self) -> str:
         loss = "full" if self.loss_chunk is None else f"chunk{self.loss_chunk}"

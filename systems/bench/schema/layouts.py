@@ -17,6 +17,7 @@ from systems.bench.schema.base import Point
 from systems.bench.schema.distributed import TrainingMeasured
 from systems.levers.layout import Layout
 from systems.levers.variant import Variant
+from systems.parallel.spec import TrainSpec
 from systems.precision import Precision
 
 # One process first (the compute every layout adds communication to), then DDP, FSDP, ours and torch's HSDP.
@@ -55,6 +56,13 @@ class LayoutPoint(Point, kind="layout", measured=LayoutMeasured):
     @property
     def world_size(self) -> int:
         return self.layout.world_size
+
+    def spec(self, warmup: int = TrainSpec.warmup, steps: int = TrainSpec.steps) -> TrainSpec:
+        """The run that measures this point: `warmup` untimed steps, then `steps` timed ones."""
+        return TrainSpec(preset=self.preset, edition=self.edition, variant=self.variant,
+                         layout=self.layout if self.variant.meshed else None, precision=self.precision,
+                         batch_size=self.batch, context=self.context, bucket_size_mb=LAYOUT_BUCKET_MB, warmup=warmup,
+                         steps=steps)
 
     def __str__(self) -> str:
         return (f"{self.variant}-{self.layout}-{self.preset}-{self.edition}-{self.precision.name}-b{self.batch}"
