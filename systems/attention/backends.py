@@ -37,6 +37,14 @@ def triton_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causa
     return FlashAttentionTriton.apply(q, k, v, is_causal)
 
 
+def gluon_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
+    """The Gluon FlashAttention-3-style forward (Hopper only), with the Triton FlashAttention-2 backward."""
+    # Imported on first use, as triton_attention is.
+    from systems.attention.gluon_forward import FlashAttentionGluon
+
+    return FlashAttentionGluon.apply(q, k, v, is_causal)
+
+
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
     """Differentiable FlashAttention-2: the Triton kernels on CUDA, the tiled PyTorch version elsewhere."""
     attend = triton_attention if q.device.type == "cuda" else FlashAttentionPytorch.apply
@@ -48,6 +56,7 @@ BACKENDS = {
     "compiled": compiled_attention,
     "pytorch": FlashAttentionPytorch.apply,
     "triton": triton_attention,
+    "gluon": gluon_attention,
     "flash": flash_attention,
     "sdpa": sdpa_attention,
 }
