@@ -2,23 +2,29 @@
 them (tests/histories.py); a comparison of two runs; runs merged from chunks."""
 
 import pathlib
+import re
 
 import matplotlib.image
 import pytest
+from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-from histories import MACHINE, allreduce_measured, config, entry, phases, rate, save_run, step_breakdown
+from histories import MACHINE, TESTS, allreduce_measured, config, entry, phases, rate, save_run, step_breakdown
 from systems.accounting import BucketedAllReduce, count_parameters, peak_memory
+from systems.bench.predictions import predicted_peak_mb
 from systems.bench.schema import (AllReducePoint, AttentionMeasured, AttentionPoint, CheckpointMeasured,
-                                  CheckpointPoint, DDPMeasured, DDPPoint, FSDPMeasured, FSDPPoint, FullStepMeasured,
-                                  FullStepPoint, ModelMeasured, ModelPoint, OptimizerMeasured, OptimizerPoint,
+                                  CheckpointPoint, CollectiveBandwidth, DDPMeasured, DDPPoint, FFNBandwidthMeasured,
+                                  FFNBandwidthPoint, FFNMeasured, FFNPoint, FSDPMeasured, FSDPPoint, FullStepMeasured,
+                                  FullStepPoint, ModelMeasured, ModelPoint, OptimizerMeasured, OptimizerPoint, Passes,
                                   WarmupMeasured, WarmupPoint)
 from systems.levers.checkpointing import Checkpointing
 from systems.levers.sharding import Gather
 from systems.levers.variant import Optimizer, Variant
 from systems.model import get_config
 from systems.precision import PRECISIONS
-from systems.report import main
-from systems.report.plots import _figure
+from systems.parallel.swiglu import FFNLayout
+from systems.report import main, plots
+from systems.report.plots import _figure, build_plots
+from systems.report.runs import load_run, merge_runs
 
 FP32, BF16 = PRECISIONS["fp32"], PRECISIONS["bf16"]
 
@@ -219,7 +225,11 @@ def test_fsdp_table_puts_each_variant_beside_one_process_with_its_peak_against_t
     assert rows[2]["step"] == "410"
     ours = rows[3]
     assert (ours["step"], ours["forward"], ours["all-gather wait"]) == ("480", "160", "12.3")
-    assert (ours["peak"], ours["predicted peak"], ours["peak / predicted"]) == ("1,200", "1,000", "1.20")
+    # The prediction is today's accounting's for the point's levers; the run's own (1,000) follows in brackets.
+    today = predicted_peak_mb(FSDPPoint("xl", "2025", BF16, 16, 512, 2, Variant.FSDP, Gather.LAYER, 1).spec(), 2,
+                              "cuda")
+    assert (ours["peak"], ours["predicted peak"], ours["peak / predicted"]) == (
+        "1,200", f"{today:,.0f} (1,000)", f"{1200 / today:.2f}")
     assert (ours["vs single"], ours["gathered weights"]) == ("1.2", "64")
     assert rows[1]["vs single"] == "1.125" and rows[0]["vs single"] == ""
     assert rows[4]["all-gather wait"] == "2"
@@ -242,8 +252,12 @@ def fullstep(attention: str, step: float, checkpoint: str = "every1", gather: Ga
 def test_fullstep_table_is_compact_and_replaces_the_dump_of_every_figure(tmp_path):
     """The leaderboard's figures per point (do_bench step, MFU, tokens/s, each rank's peak against the
     prediction, cold start), points in order, an out-of-memory point as a row, and no generic table."""
+    # The run stored what today's accounting predicts: the cell holds it alone.
+    point = FullStepPoint("leaderboard-2026", "2025", BF16, 1, 32768, 2, Variant.FSDP, "sdpa",
+                          Checkpointing.parse("every1"), 4096, Gather.BLOCK, 1)
+    today = predicted_peak_mb(point.spec(), 2, "cuda")
     figures = dict(do_bench_s=6.5, throughput=rate(389.6, 0.3939), tokens_per_s=10123.5,
-                   peak_memory_mb_per_rank=[70535.6, 70000.0], predicted_peak_mb=70200.5, cold_start_s=115.45)
+                   peak_memory_mb_per_rank=[70535.6, 70000.0], predicted_peak_mb=today, cold_start_s=115.45)
     oom = [FullStepPoint("leaderboard-2026", "2025", BF16, 1, 65536, 2, Variant.FSDP, "sdpa",
                          Checkpointing.parse("every1"), 4096, Gather.LAYER, 1)]
     save_run(tmp_path / "storage", 1, [fullstep("sdpa", 6.53, **figures),
@@ -259,7 +273,8 @@ def test_fullstep_table_is_compact_and_replaces_the_dump_of_every_figure(tmp_pat
                                     "peak / predicted", "cold start (s)")} == {
         "fused kernels": "none", "compiled": "no", "step": "6.53", "do_bench step": "6.5", "MFU": "39.4%",
         "MFU, torchtitan's count": "51.1%", "tokens/s": "10,124", "peak per rank": "68.88, 68.36",
-        "predicted peak": "68.56", "peak / predicted": "1.00", "cold start (s)": "115.5"}
+        "predicted peak": f"{today / 1024:.2f}", "peak / predicted": f"{70535.6 / today:.2f}",
+        "cold start (s)": "115.5"}
     assert rows[2]["step"] == "OOM"
     assert sorted(path.name for path in out.glob("*.md")) == ["fullstep.md", "report.md"]
 
@@ -391,14 +406,118 @@ def test_runs_saved_in_chunks_merge_and_later_runs_win(tmp_path):
     text = (out / "report.md").read_text()
     assert text.startswith("# Benchmark report: run 0001-0003\n")
     assert "3 histories merged" in text.splitlines()[2] and text.count("0001_abc123_") == 1  # listed once, at the end
-    assert text.endswith("- `" + str(storage / MACHINE / "0003_abc123_20260103_120000.json") + "`\n")
+    assert text.endswith("- run 0003: 1 x H100, commit abc123, `"
+                         + str(storage / MACHINE / "0003_abc123_20260103_120000.json") + "`\n")
     assert (out / "model.md").exists()
     flash = (out / "attention_flash.md").read_text()
-    assert "| bf16 | 64 | 1024 | forward | 1.024 | 3 | 0.256 |" in flash  # run 3's sdpa replaced run 1's
-    assert "| bf16 | 128 | 1024 | forward | 4 |" in flash and "| OOM |" not in flash
-    assert ["naive", "16", "16384", "OOM", ""] in [row[:5] for row in table_rows(out / "attention_handout.md")]
+    # One machine, named in the title; each row its runs: run 3's sdpa replaced run 1's
+    assert "— 1 x H100\n" in flash and "| 0001, 0003 | bf16 | 64 | 1024 | forward | 1.024 | 3 | 0.256 |" in flash
+    assert "| 0003 | bf16 | 128 | 1024 | forward | 4 |" in flash and "| OOM |" not in flash
+    assert ["0003", "naive", "16", "16384", "OOM", ""] in [row[:6] for row in table_rows(out / "attention_handout.md")]
     assert report(tmp_path, "--run", "3,1")[0] == 0  # the order decides: run 1's sdpa point wins now
-    assert "| bf16 | 64 | 1024 | forward | 1.024 | 0.2048 | 0.256 |" in (out / "attention_flash.md").read_text()
+    assert "| 0001 | bf16 | 64 | 1024 | forward | 1.024 | 0.2048 | 0.256 |" in (out / "attention_flash.md").read_text()
+
+
+def on(gpu: str, count: int) -> dict:
+    """A history's machine_info for a host of `count` GPUs of a kind."""
+    return {"machine": "x86_64", "systems_lab": {"gpu": gpu, "gpu_count": count, "torch": "2.11.0"}}
+
+
+H200X2 = on("NVIDIA H200", 2)
+
+
+def two_machines(tmp_path) -> pathlib.Path:
+    """The leaderboard's point measured on 1 x H100 (run 1, beside one process's DDP step) and on 2 x H200 (run 2,
+    beside torch's DDP on 2 ranks)."""
+    storage = tmp_path / "storage"
+    save_run(storage, 1, [fullstep("sdpa", 6.5), ddp(Variant.SINGLE, None, 1, 0.100, 0.0)])
+    save_run(storage, 2, [fullstep("sdpa", 5.0), ddp(Variant.TORCH, 25.0, 2, 0.110, 0.0)], machine_info=H200X2,
+             stamp="20260102_120000")
+    return storage
+
+
+def test_a_merged_report_keeps_each_machines_point_and_names_the_machine_and_run_of_each_row(tmp_path):
+    """Runs of two machines that share a point: a row each, named by machine and run; a ratio to another point
+    (vs single) only where the same machine measured both."""
+    two_machines(tmp_path)
+    code, out = report(tmp_path, "--run", "1-2")
+    assert code == 0
+    rows = columns_and_rows(out / "fullstep.md")
+    assert [(row["machine"], row["run"], row["attention"], row["step"]) for row in rows] == [
+        ("1 x H100", "0001", "sdpa", "6.5"), ("2 x H200", "0002", "sdpa", "5")]
+    ddp_rows = columns_and_rows(out / "ddp.md")
+    assert [(row["machine"], row["run"], row["variant"], row.get("vs single", "")) for row in ddp_rows] == [
+        ("1 x H100", "0001", "single", ""), ("2 x H200", "0002", "torch", "")]
+
+
+def test_the_header_of_a_merged_report_is_two_lines_naming_its_machines(tmp_path):
+    two_machines(tmp_path)
+    code, out = report(tmp_path, "--run", "1-2")
+    assert code == 0
+    lines = (out / "report.md").read_text().splitlines()
+    header = [line for line in lines[1:lines.index(next(line for line in lines if line.startswith("###")))] if line]
+    assert len(header) <= 2 and "2 machines (1 x H100, 2 x H200)" in header[0]
+    assert "- run 0002: 2 x H200, commit abc123, `" in lines[-1]
+
+
+def test_every_plot_names_its_machine_and_runs_in_its_title_or_in_each_series(tmp_path, monkeypatch):
+    """One machine's figure says so in its title; a figure of two machines keeps a line per machine, each series
+    naming its machine and run."""
+    storage = tmp_path / "storage"
+    save_run(storage, 1, model_benchmarks()[:24] + attention_benchmarks())
+    save_run(storage, 2, model_benchmarks(scale=0.5)[:24], machine_info=on("NVIDIA H100 80GB HBM3", 4),
+             stamp="20260102_120000")
+    titles = {}
+    monkeypatch.setattr(plots, "_figure", lambda plt, title, xlabel, panels, columns=None: titles.update(
+        {title: sorted({label for _, series in panels for label in series})}))
+    build_plots(merge_runs([load_run(path) for path in sorted((storage / MACHINE).glob("*.json"))]), tmp_path)
+    assert titles["Model, step"] == [f"small {precision} eager ({machine}, run {run})"
+                                     for precision in ("bf16", "bf16-weights", "fp32")
+                                     for machine, run in (("1 x H100", "0001"), ("4 x H100", "0002"))]
+    assert "Attention, flash sweep, forward, bf16 — 1 x H100, run 0001" in titles
+    for title, labels in titles.items():
+        assert re.search(r"\d x H100", title) or all(re.search(r"\d x H100, run \d{4}", label) for label in labels)
+
+
+def ffn(layout: FFNLayout, data: int, tensor: int, comm: float) -> dict:
+    """A bench_ffn point of a small layer on gloo ranks, its collectives taking `comm` seconds a step."""
+    point = FFNPoint(layout, data, tensor, 64, 32, 128, BF16, "gloo")
+    passes = Passes(comm / 2, comm / 2)
+    return entry(point, FFNMeasured("gloo", 64 // data, 128 // tensor, Passes(0.002, 0.004), Passes(0.001, 0.002),
+                                    passes, passes, {"all-reduce": 1e4}, {"all-reduce": 2e4}, 1.0), 0.006)
+
+
+def test_the_section_8_plot_styles_each_line_apart_with_its_legend_off_its_panels(tmp_path, monkeypatch):
+    """Measured and predicted communication per layout: a style each, the legend below the panels, the machine
+    in the title, units on the axes."""
+    monkeypatch.setitem(TESTS, "ffn", "bench_ffn.py::test_ffn")  # the benches of section 8's kinds
+    monkeypatch.setitem(TESTS, "ffn_bandwidth", "bench_ffn.py::test_ffn_bandwidth")
+    bandwidth = CollectiveBandwidth(1e-3, 1.0)
+    benchmarks = [entry(FFNBandwidthPoint("gloo", ranks, 1.0, BF16),
+                        FFNBandwidthMeasured(2**20, bandwidth, bandwidth, bandwidth), 1e-3) for ranks in (2, 4)]
+    benchmarks += [ffn(layout, *grid, 1e-3 * sum(grid)) for layout in (FFNLayout.DP, FFNLayout.FSDP)
+                   for grid in ((2, 1), (4, 1))] + [ffn(FFNLayout.TP, 1, 2, 1e-3)]
+    save_run(tmp_path / "storage", 1, benchmarks)
+    figures = []
+
+    def keep(*args, **kwargs):  # what plots._figure draws (None for a figure without lines), before it is saved
+        figures.append(_figure(*args, **kwargs))
+        return figures[-1]
+
+    monkeypatch.setattr(plots, "_figure", keep)
+    assert [path.name for path in build_plots(load_run(next((tmp_path / "storage").rglob("*.json"))), tmp_path)] \
+        == ["ffn_communication.png"]
+    (fig,) = [fig for fig in figures if fig is not None]
+    renderer = FigureCanvasAgg(fig).get_renderer()  # saved and closed: a canvas again, to measure it
+    panels = [ax for ax in fig.axes if ax.get_visible()]
+    styles = {line.get_label(): (line.get_color(), line.get_marker(), line.get_linestyle())
+              for ax in panels for line in ax.get_lines()}
+    assert len(styles) == 6 and len(set(styles.values())) == 6  # dp, fsdp, tp: measured and predicted
+    (legend,) = fig.legends
+    assert all(ax.get_legend() is None for ax in panels)
+    assert not any(legend.get_window_extent(renderer).overlaps(ax.get_window_extent(renderer)) for ax in panels)
+    assert "1 x H100, run 0001" in fig.get_suptitle()
+    assert all("(" in ax.get_xlabel() and "(" in ax.get_ylabel() for ax in panels)
 
 
 def test_report_of_every_kind_names_its_points_levers_in_its_tables(tmp_path):

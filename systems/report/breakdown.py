@@ -34,8 +34,8 @@ def breakdown_tables(run: Run) -> list[Table]:
     # of which an FSDP point has the first five and ours the levers: the table drops a column no row fills.
     for r in sorted(sorted_by_point(results, POINT_KEYS, FSDP_VARIANTS), key=lambda r: r.point.kind):
         point = [r.point.kind] + point_cells(r.point, POINT_KEYS)
-        table.rows += [point + [str(rank)] + breakdown_cells(step)
-                       for rank, step in enumerate(r.measured.breakdown_per_rank)]
+        for rank, step in enumerate(r.measured.breakdown_per_rank):
+            table.add(point + [str(rank)] + breakdown_cells(step), r)
     return [table]
 
 

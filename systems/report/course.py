@@ -5,14 +5,13 @@ Prediction (systems.accounting.ffn_layouts): each pass's collectives, each at th
 for its kind over a group of its size (an ffn_bandwidth point of the same backend and precision, the largest size:
 where bandwidth dominates), so W = busbw; its matmuls at C, the point's own whole-layer TFLOP/s on one device. A
 pass is communication-bound when its collectives take longer than its matmuls: predicted from those figures,
-measured from the collectives alone against the matmuls alone. `course_tables(run)` and `course_plots(run, out)`
-are what the report's build_tables and build_plots call.
+measured from the collectives alone against the matmuls alone. `course_tables(run)` is what the report's
+build_tables calls, `communication_lines(run)` what build_plots draws.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from pathlib import Path
 
 from systems.accounting.ffn_layouts import (Accelerator, PassCost, SwiGLULayer, largest_dp_devices,
                                             largest_fsdp_devices, largest_fsdp_tp_grid, largest_tp_devices)
@@ -29,13 +28,22 @@ def course_tables(run: Run) -> list[Table]:
     return ffn_tables(run) + leaderboard_tables(run)
 
 
+def _bandwidth_points(run: Run) -> dict[tuple, Result]:
+    """(backend, ranks, precision name) -> its ffn_bandwidth point of the largest size measured."""
+    return {(r.point.backend, r.point.world_size, r.point.precision.name): r
+            for r in sorted(run.select("ffn_bandwidth"), key=lambda r: r.point.size_mb)}
+
+
 def _bandwidths(run: Run) -> dict[tuple, dict[str, float]]:
     """(backend, ranks, precision name) -> {kind: W in bytes/s}, from the largest size measured."""
-    largest = {}
-    for r in sorted(run.select("ffn_bandwidth"), key=lambda r: r.point.size_mb):
-        largest[(r.point.backend, r.point.world_size, r.point.precision.name)] = {
-            kind: figure.busbw_gbps * 1e9 for kind, figure in r.measured.by_kind().items()}
-    return largest
+    return {key: {kind: figure.busbw_gbps * 1e9 for kind, figure in r.measured.by_kind().items()}
+            for key, r in _bandwidth_points(run).items()}
+
+
+def _w_points(run: Run, r: Result) -> list[Result]:
+    """The ffn_bandwidth points a prediction for `r` reads: its backend's and precision's."""
+    return [w for (backend, _, precision), w in _bandwidth_points(run).items()
+            if (backend, precision) == (r.point.backend, r.point.precision.name)]
 
 
 def _layer(r: Result) -> SwiGLULayer:
@@ -74,9 +82,12 @@ def ffn_tables(run: Run) -> list[Table]:
     if bandwidths:
         table = Table("ffn_bandwidth", "W: bus bandwidth of each collective (GB/s; the largest size measured)",
                       ["backend", "ranks", "precision", "all-reduce", "all-gather", "reduce-scatter"])
-        table.rows = [[backend, str(ranks), precision] + [number(w[kind] / 1e9) for kind in
-                                                          ("all-reduce", "all-gather", "reduce-scatter")]
-                      for (backend, ranks, precision), w in sorted(bandwidths.items())]
+        points = _bandwidth_points(run)
+        for key, w in sorted(bandwidths.items()):
+            backend, ranks, precision = key
+            table.add([backend, str(ranks), precision]
+                      + [number(w[kind] / 1e9) for kind in ("all-reduce", "all-gather", "reduce-scatter")],
+                      points[key])
         tables.append(table)
     if not results:
         return tables
@@ -94,15 +105,15 @@ def ffn_tables(run: Run) -> list[Table]:
         predicted = [predicted_comm_s(r, p, bandwidths) for p in (cost.forward, cost.backward)]
         total = None if None in predicted else sum(predicted)
         sent = sum(m.sent_forward.values()) + sum(m.sent_backward.values())
-        layouts.rows.append(
+        layouts.add(
             [str(r.point.layout), f"{r.point.data}x{r.point.tensor}"]
             + [number(getattr(r.point, k)) for k in SHAPE]
             + [ms(m.step.step_s), ms(m.compute.step_s), ms(m.comm.step_s), ms(total), _ratio(m.comm.step_s, total),
                ms(m.exposed.step_s), f"{sent:,.0f}", f"{cost.forward.bytes_sent + cost.backward.bytes_sent:,.0f}",
                _bound(predicted[0], cost.forward.compute_seconds(_c(r))),
-               _bound(m.comm.forward_s, m.compute.forward_s)])
+               _bound(m.comm.forward_s, m.compute.forward_s)], r, *_w_points(run, r))
     tables.append(layouts)
-    tables += _crossover(results, bandwidths) + _ours_against_torch(results)
+    tables += _crossover(run, results, bandwidths) + _ours_against_torch(results)
     return tables
 
 
@@ -120,7 +131,7 @@ def _chapter_bound(layout: FFNLayout, layer: SwiGLULayer, c: float, w: dict[str,
     return None
 
 
-def _crossover(results: list[Result], bandwidths: dict) -> list[Table]:
+def _crossover(run: Run, results: list[Result], bandwidths: dict) -> list[Table]:
     """Per layout and shape: where the chapter says the layout turns communication-bound, and whether each
     measured device count agrees (comm alone longer than compute alone, the pass the bound is about)."""
     table = Table("ffn_crossover", "Where each layout turns communication-bound: the chapter's bound with this run's "
@@ -144,8 +155,9 @@ def _crossover(results: list[Result], bandwidths: dict) -> list[Table]:
         free = sorted({r.point.world_size for r in group if not bound_at(r)})
         agrees = "" if bound is None else ("yes" if all(n > bound for n in bound_counts)
                                            and all(n <= bound for n in free) else "no")
-        table.rows.append([str(layout)] + [number(v) for v in shape]
-                          + [number(bound), ", ".join(map(str, bound_counts)), ", ".join(map(str, free)), agrees])
+        table.add([str(layout)] + [number(v) for v in shape]
+                  + [number(bound), ", ".join(map(str, bound_counts)), ", ".join(map(str, free)), agrees],
+                  *group, *_w_points(run, largest))
     return [table] if table.rows else []
 
 
@@ -159,7 +171,7 @@ def _ours_against_torch(results: list[Result]) -> list[Table]:
         key = (r.point.tensor, *(getattr(r.point, k) for k in SHAPE))
         if r.point.layout == FFNLayout.TORCH_TP and key in ours:
             mine, theirs = ours[key].measured.step.step_s, r.measured.step.step_s
-            table.rows.append([number(v) for v in key] + [ms(mine), ms(theirs), f"{mine / theirs:.3f}"])
+            table.add([number(v) for v in key] + [ms(mine), ms(theirs), f"{mine / theirs:.3f}"], ours[key], r)
     return [table] if table.rows else []
 
 
@@ -176,57 +188,27 @@ def leaderboard_tables(run: Run) -> list[Table]:
         levers = "" if p.model != "ours" else (f"{p.attention}, {p.checkpoint}, loss chunk {p.loss_chunk or 'full'}"
                                                + ("" if p.fused == Fused.NONE else f", fused {p.fused}")
                                                + (", compiled" if p.compile else ""))
-        table.rows.append([p.model, p.preset, str(p.context), str(p.batch), str(p.world_size), levers, m.timer,
-                           f"{p.rep_ms:g} / {p.warmup_ms:g}", ms(m.mean_s), ms(m.median_s), str(m.timed_steps),
-                           number(m.first_loss), mib(m.peak_mb()), number(m.cold_start_s)])
+        table.add([p.model, p.preset, str(p.context), str(p.batch), str(p.world_size), levers, m.timer,
+                   f"{p.rep_ms:g} / {p.warmup_ms:g}", ms(m.mean_s), ms(m.median_s), str(m.timed_steps),
+                   number(m.first_loss), mib(m.peak_mb()), number(m.cold_start_s)], r)
     return [table]
 
 
-def course_plots(run: Run, out: Path) -> list[Path]:
-    """One PNG: per shape, communication time against device count, measured (solid) and predicted (dashed) for
-    each layout."""
-    bandwidths = _bandwidths(run)
-    panels = defaultdict(lambda: defaultdict(lambda: ([], [])))  # shape -> layout -> (measured, predicted) points
-    for r in run.select("ffn"):
-        if r.point.layout == FFNLayout.SINGLE:
-            continue
-        cost = handout_cost(r.point.placement, _layer(r))
-        predicted = [predicted_comm_s(r, p, bandwidths) for p in (cost.forward, cost.backward)]
-        lines = panels[tuple(getattr(r.point, k) for k in SHAPE)][str(r.point.layout)]
-        lines[0].append((r.point.world_size, r.measured.comm.step_s * 1e3))
-        if None not in predicted:
-            lines[1].append((r.point.world_size, sum(predicted) * 1e3))
-    if not panels:
-        return []
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    shapes = sorted(panels, key=lambda shape: tuple(map(order, shape)))
-    columns = min(3, len(shapes))
-    rows = -(-len(shapes) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(5.5 * columns, 4.5 * rows), squeeze=False)
-    layouts = sorted({layout for lines in panels.values() for layout in lines})
-    color = {layout: f"C{i}" for i, layout in enumerate(layouts)}
-    for ax, shape in zip(axes.flat, shapes):
-        for layout, (measured, predicted) in sorted(panels[shape].items()):
-            ax.plot(*zip(*sorted(measured)), marker="o", color=color[layout], label=f"{layout} measured")
-            if predicted:
-                ax.plot(*zip(*sorted(predicted)), marker="x", linestyle="--", color=color[layout],
-                        label=f"{layout} predicted")
-        counts = sorted({n for lines in panels[shape].values() for n, _ in lines[0]})
-        batch, d_model, d_ff, precision = shape
-        ax.set(yscale="log", xticks=counts, xlabel="devices", ylabel="communication per step (ms)",
-               title=f"B={batch} D={d_model} D_FF={d_ff} {precision.name}")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize="x-small")
-    for ax in axes.flat[len(shapes):]:
-        ax.set_visible(False)
-    fig.suptitle("SwiGLU layer's communication:\nmeasured (solid), predicted from this run's W (dashed)",
-                 fontsize="medium")
-    fig.tight_layout()
-    path = out / "ffn_communication.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return [path]
+def communication_lines(run: Run) -> list[tuple[str, list[tuple[str, Result, float, float]]]]:
+    """Section 8's figure: per shape a panel (its y label naming the shape) of communication per step (ms) against
+    device count, measured and predicted from its machine's W for each layout, each point with its result."""
+    panels = defaultdict(list)  # shape -> (line, result, devices, ms)
+    for machine in map(run.on, run.machines):
+        bandwidths = _bandwidths(machine)
+        for r in machine.select("ffn"):
+            if r.point.layout == FFNLayout.SINGLE:
+                continue
+            cost = handout_cost(r.point.placement, _layer(r))
+            predicted = [predicted_comm_s(r, p, bandwidths) for p in (cost.forward, cost.backward)]
+            shape = tuple(getattr(r.point, k) for k in SHAPE)
+            panels[shape].append((f"{r.point.layout} measured", r, r.point.world_size, r.measured.comm.step_s * 1e3))
+            if None not in predicted:
+                panels[shape].append((f"{r.point.layout} predicted", r, r.point.world_size, sum(predicted) * 1e3))
+    return [(f"B={batch} D={d_model} D_FF={d_ff} {precision.name}\ncommunication per step (ms)",
+             panels[(batch, d_model, d_ff, precision)])
+            for batch, d_model, d_ff, precision in sorted(panels, key=lambda shape: tuple(map(order, shape)))]

@@ -8,12 +8,13 @@ import dataclasses
 import math
 
 from systems.accounting import BucketedAllReduce, count_parameters, fit_bucketed_allreduce, flops
+from systems.bench.predictions import predicted_peak_mb
 from systems.bench.schema import DDP_VARIANTS, FSDP_VARIANTS, Phases, Point
 from systems.levers.checkpointing import Checkpointing
 from systems.levers.variant import Variant
 from systems.model import get_config
-from systems.report.markdown import Table, batch_sizes, fields_of, mib, ms, number, order, sorted_by
-from systems.report.runs import Result, Run
+from systems.report.markdown import BATCH, Table, batch_sizes, fields_of, mib, ms, number, order, sorted_by
+from systems.report.runs import OutOfMemory, Result, Run
 
 PHASES = ("step", "forward", "backward", "comm_wait", "optimizer")
 
@@ -35,11 +36,12 @@ def allreduce_tables(run: Run) -> list[Table]:
                        "ones only.")
     for r in results:
         m = r.measured
-        table.rows.append([number(k) for k in fields_of(r.point, keys)]
-                          + [ms(m.latency_s), ms(m.latency_spread_s), number(m.latency_busbw_gbps),
-                             ms(m.loop_time_s), ms(m.loop_spread_s)]
-                          + [number(v) for v in (m.algbw_gbps, m.busbw_gbps, m.bare_busbw_gbps, m.loop_vs_bare)])
-    table.rows += [[number(k) for k in fields_of(point, keys)] + ["OOM"] + [""] * 8 for point in oom]
+        table.add([number(k) for k in fields_of(r.point, keys)]
+                  + [ms(m.latency_s), ms(m.latency_spread_s), number(m.latency_busbw_gbps), ms(m.loop_time_s),
+                     ms(m.loop_spread_s)]
+                  + [number(v) for v in (m.algbw_gbps, m.busbw_gbps, m.bare_busbw_gbps, m.loop_vs_bare)], r)
+    for entry in oom:
+        table.add([number(k) for k in fields_of(entry.point, keys)] + ["OOM"] + [""] * 8, entry)
     return [table]
 
 
@@ -57,7 +59,7 @@ def point_values(point: Point, keys: list[str]) -> list:
 
 
 def _training_steps(run: Run, kind: str, keys: list[str],
-                    variants: tuple[Variant, ...]) -> tuple[list[Result], list[Point]]:
+                    variants: tuple[Variant, ...]) -> tuple[list[Result], list[OutOfMemory]]:
     """A training bench's results, sorted by `keys` with the variants in their table order, and its OOM points."""
     return sorted_by_point(run.select(kind), keys, variants), run.oom(kind)
 
@@ -66,14 +68,17 @@ def phase_cells(phases: Phases, names: tuple[str, ...] = PHASES) -> list[str]:
     return [ms(getattr(phases, f"{name}_s")) for name in names]
 
 
-def vs(run: Run, result: Result, variant: Variant, world_size: int) -> float | None:
-    """The step against the same run's `variant` at the same shape on `world_size` ranks (None if absent)."""
+def baseline(run: Run, result: Result, variant: Variant, world_size: int) -> Result | None:
+    """The same run's `variant` at the result's shape on `world_size` ranks (None if absent, or the result's own)."""
     shape = ("preset", "edition", "precision", "context", "batch")
     others = [other for other in run.select(result.point.kind, variant=variant, world_size=world_size)
               if fields_of(other.point, shape) == fields_of(result.point, shape)]
-    if not others or result.point.variant == variant:
-        return None
-    return result.measured.phases.step_s / others[0].measured.phases.step_s
+    return None if not others or result.point.variant == variant else others[0]
+
+
+def vs(result: Result, other: Result | None) -> float | None:
+    """The step against another's (None without one)."""
+    return None if other is None else result.measured.phases.step_s / other.measured.phases.step_s
 
 
 def ddp_tables(run: Run) -> list[Table]:
@@ -81,17 +86,19 @@ def ddp_tables(run: Run) -> list[Table]:
     results, oom = _training_steps(run, "ddp", keys, DDP_VARIANTS)
     if not results and not oom:
         return []
-    steps = Table("ddp", f"Data-parallel training step{batch_sizes(results)} per rank (ms; mean over ranks of their "
+    steps = Table("ddp", f"Data-parallel training step{BATCH} per rank (ms; mean over ranks of their "
                          "medians)",
                   ["precision", "context", "ranks", "variant", "bucket MiB", "step", "forward", "backward",
-                   "comm wait", "optimizer", "comm share", "vs single", "vs torch DDP", "TFLOP/s per GPU"])
+                   "comm wait", "optimizer", "comm share", "vs single", "vs torch DDP", "TFLOP/s per GPU"],
+                  batches=batch_sizes(results))
     for r in results:
-        steps.rows.append([number(k) for k in fields_of(r.point, keys)] + phase_cells(r.measured.phases)
-                          + [f"{r.measured.comm_share:.1%}"]
-                          + [number(v) for v in (vs(run, r, Variant.SINGLE, 1),
-                                                 vs(run, r, Variant.TORCH, r.point.world_size),
-                                                 r.measured.throughput.tflops)])
-    steps.rows += [[number(k) for k in fields_of(point, keys)] + ["OOM"] + [""] * 8 for point in oom]
+        single, torch = baseline(run, r, Variant.SINGLE, 1), baseline(run, r, Variant.TORCH, r.point.world_size)
+        steps.add([number(k) for k in fields_of(r.point, keys)] + phase_cells(r.measured.phases)
+                  + [f"{r.measured.comm_share:.1%}"]
+                  + [number(v) for v in (vs(r, single), vs(r, torch), r.measured.throughput.tflops)],
+                  r, *filter(None, (single, torch)))
+    for entry in oom:
+        steps.add([number(k) for k in fields_of(entry.point, keys)] + ["OOM"] + [""] * 8, entry)
 
     bucketed = [r for r in results if r.point.variant == Variant.BUCKETED]
     if not bucketed:
@@ -103,30 +110,31 @@ def ddp_tables(run: Run) -> list[Table]:
                   note="The model takes the one-process backward as compute time and the all-reduce benchmark's "
                        "latency and bus bandwidth (fitted over its sizes) for the same backend and ranks.")
     for r in bucketed:
-        model = _bucket_model(run, r)
+        model, inputs = _bucket_model(run, r)
         predicted, best = "", ""
         if model is not None:
             buckets = max(1, math.ceil(model.param_bytes / (r.point.bucket_size_mb * 2**20)))
             predicted = ms(model.overhead(buckets))
             if model.latency > 0:  # without a latency the model wants ever smaller buckets
                 best = number(model.optimal_bucket_bytes() / 2**20)
-        sweep.rows.append([number(k) for k in fields_of(r.point, ["precision", "context", "world_size",
-                                                                   "bucket_size_mb"])]
-                          + phase_cells(r.measured.phases, ("step", "backward", "comm_wait")) + [predicted, best])
+        sweep.add([number(k) for k in fields_of(r.point, ["precision", "context", "world_size", "bucket_size_mb"])]
+                  + phase_cells(r.measured.phases, ("step", "backward", "comm_wait")) + [predicted, best], r, *inputs)
     return [steps, sweep]
 
 
-def _bucket_model(run: Run, step: Result) -> BucketedAllReduce | None:
-    """The bucket model for a DDPBucketed point, from the same run's single-process and all-reduce points."""
+def _bucket_model(run: Run, step: Result) -> tuple[BucketedAllReduce | None, list[Result]]:
+    """The bucket model for a DDPBucketed point, from the same run's single-process and all-reduce points, and
+    those points."""
     point = step.point
     single = [r for r in run.select("ddp", variant=Variant.SINGLE, precision=point.precision, context=point.context)]
     calls = run.select("allreduce", backend=step.measured.backend, world_size=point.world_size)
     if not single:
-        return None
+        return None, []
     params = count_parameters(get_config(point.preset, point.edition, context_length=point.context))
-    return fit_bucketed_allreduce(backward_seconds=single[0].measured.phases.backward_s,
-                                  param_bytes=point.precision.grad_bytes * params, world_size=point.world_size,
-                                  allreduces=[(r.measured.bytes, r.measured.latency_s) for r in calls])
+    model = fit_bucketed_allreduce(backward_seconds=single[0].measured.phases.backward_s,
+                                   param_bytes=point.precision.grad_bytes * params, world_size=point.world_size,
+                                   allreduces=[(r.measured.bytes, r.measured.latency_s) for r in calls])
+    return model, [single[0], *calls]
 
 
 def fsdp_tables(run: Run) -> list[Table]:
@@ -134,26 +142,30 @@ def fsdp_tables(run: Run) -> list[Table]:
     results, oom = _training_steps(run, "fsdp", keys, FSDP_VARIANTS)
     if not results and not oom:
         return []
-    table = Table("fsdp", f"FSDP beside DDP: training step{batch_sizes(results)} per rank (ms; mean over ranks of "
+    table = Table("fsdp", f"FSDP beside DDP: training step{BATCH} per rank (ms; mean over ranks of "
                           "their medians) and peak memory (MiB, the largest rank's)",
                   ["preset", "precision", "context", "ranks", "variant", "prefetch", "gather", "step", "forward",
                    "backward", "comm wait", "optimizer", "all-gather wait", "vs single", "TFLOP/s per GPU", "peak",
                    "predicted peak", "peak / predicted", "gathered weights"],
                   note="fsdp is ours, fsdp2 torch's fully_shard; prefetch is how many all-gathers ours keeps in "
                        "flight ahead of the computing layer, gather what one of its collectives covers (a layer's "
-                       "weight or a block's); the all-gather wait is the time the compute stream "
-                       "waited for all-gathers that prefetching did not hide. Predicted peaks: "
-                       "systems.accounting.fsdp_memory for ours, peak_memory for one process and DDP "
-                       "(which leaves out DDP's buckets); none for fsdp2 (older histories hold one process's).")
+                       "weight or a block's); the all-gather wait is the time the compute stream waited for "
+                       "all-gathers that prefetching did not hide. Predicted peaks: today's accounting's for each "
+                       "point's levers (systems.bench.predictions), fsdp_memory for ours, peak_memory for one "
+                       "process and DDP (which leaves out DDP's buckets), none for fsdp2; where the run stored "
+                       "another, it follows in brackets.",
+                  batches=batch_sizes(results))
     for r in results:
         m = r.measured
-        peak, predicted = m.peak_mb(), m.predicted_peak_mb
-        table.rows.append(point_cells(r.point, keys) + phase_cells(m.phases, (*PHASES, "gather_wait"))
-                          + [number(vs(run, r, Variant.SINGLE, 1)), number(m.throughput.tflops)]
-                          + [mib(peak), mib(predicted),
-                             "" if peak is None or not predicted else f"{peak / predicted:.2f}",
-                             mib(m.peak_gathered_mb)])
-    table.rows += [point_cells(point, keys) + ["OOM"] + [""] * 11 for point in oom]
+        peak, (predicted, predicted_cell) = m.peak_mb(), predicted_peak(r, mib)
+        single = baseline(run, r, Variant.SINGLE, 1)
+        table.add(point_cells(r.point, keys) + phase_cells(m.phases, (*PHASES, "gather_wait"))
+                  + [number(vs(r, single)), number(m.throughput.tflops)]
+                  + [mib(peak), predicted_cell,
+                     "" if peak is None or not predicted else f"{peak / predicted:.2f}",
+                     mib(m.peak_gathered_mb)], r, *filter(None, (single,)))
+    for entry in oom:
+        table.add(point_cells(entry.point, keys) + ["OOM"] + [""] * 11, entry)
     return [table]
 
 
@@ -165,7 +177,7 @@ def fullstep_tables(run: Run) -> list[Table]:
     results, oom = _training_steps(run, "fullstep", FULLSTEP_KEYS, FSDP_VARIANTS)
     if not results and not oom:
         return []
-    table = Table("fullstep", f"Whole training step{batch_sizes(results)} per rank, as the leaderboard times it: "
+    table = Table("fullstep", f"Whole training step{BATCH} per rank, as the leaderboard times it: "
                               "step (s), throughput and peak memory (GiB)",
                   ["preset", "precision", "context", "ranks", "variant", "attention", "checkpoint every",
                    "loss chunk", "gather", "fused kernels", "compiled", "step", "do_bench step", "MFU",
@@ -176,23 +188,36 @@ def fullstep_tables(run: Run) -> list[Table]:
                        "the do_bench step where there is one; MFU counts model FLOPs, recomputation left out: "
                        "attention's causal half, its backward 2.5 times its forward (the leaderboard's count, "
                        "FlashAttention's); torchtitan's count takes attention whole, its backward twice its forward. "
-                       "Predicted peak: the largest rank's (systems.accounting.fsdp_memory for our FSDP). Cold "
-                       "start: from the pytest process's start to the end of the point's timed job.")
+                       "Predicted peak: the largest rank's, today's accounting's for the point's levers "
+                       "(systems.bench.predictions: fsdp_memory for our FSDP), the run's own in brackets where it "
+                       "differs. Cold "
+                       "start: from the pytest process's start to the end of the point's timed job.",
+                  batches=batch_sizes(results))
     for r in results:
         m = r.measured
-        peaks, predicted = m.peak_memory_mb_per_rank or [], m.predicted_peak_mb
+        peaks, (predicted, predicted_cell) = m.peak_memory_mb_per_rank or [], predicted_peak(r, _gib)
         mfu = m.throughput.mfu
         model = flops(get_config(r.point.preset, r.point.edition, context_length=r.point.context), r.point.batch,
                       r.point.context)
-        table.rows.append(point_cells(r.point, FULLSTEP_KEYS) + [number(m.phases.step_s), number(m.do_bench_s)]
-                          + ["" if mfu is None else f"{mfu:.1%}",
-                             "" if mfu is None else f"{mfu * model.full_attention_step / model.flash_step:.1%}",
-                             f"{m.tokens_per_s:,.0f}",
-                             ", ".join(map(_gib, peaks)), _gib(predicted),
-                             f"{max(peaks) / predicted:.2f}" if peaks and predicted else "",
-                             number(m.cold_start_s)])
-    table.rows += [point_cells(point, FULLSTEP_KEYS) + ["OOM"] + [""] * 8 for point in oom]
+        table.add(point_cells(r.point, FULLSTEP_KEYS) + [number(m.phases.step_s), number(m.do_bench_s)]
+                  + ["" if mfu is None else f"{mfu:.1%}",
+                     "" if mfu is None else f"{mfu * model.full_attention_step / model.flash_step:.1%}",
+                     f"{m.tokens_per_s:,.0f}",
+                     ", ".join(map(_gib, peaks)), predicted_cell,
+                     f"{max(peaks) / predicted:.2f}" if peaks and predicted else "",
+                     number(m.cold_start_s)], r)
+    for entry in oom:
+        table.add(point_cells(entry.point, FULLSTEP_KEYS) + ["OOM"] + [""] * 8, entry)
     return [table]
+
+
+def predicted_peak(r: Result, cell) -> tuple[float | None, str]:
+    """Today's accounting's peak for the run of `r`'s point, MiB, and its cell written by `cell`, with the
+    prediction stored by the run in brackets where it differs by more than rounding."""
+    device = "cuda" if r.measured.backend == "nccl" else "cpu"
+    today, stored = predicted_peak_mb(r.point.spec(), r.point.world_size, device), r.measured.predicted_peak_mb
+    differs = (today is None) != (stored is None) or (today and stored and abs(today / stored - 1) > 1e-3)
+    return today, (cell(today) + (f" ({cell(stored)})" if differs and stored is not None else "")).strip()
 
 
 LEVERS_OFF = {"checkpoint": "none", "loss_chunk": "full"}  # a full step's levers, by name where they are off
@@ -233,9 +258,9 @@ def optimizer_tables(run: Run) -> list[Table]:
                   + [f"peak {moment.replace('_', ' ')}" for moment in moments] + ["optimizer (ms)", "step (ms)"])
     for r in results:
         m = r.measured
-        table.rows.append([number(k) for k in fields_of(r.point, keys)]
-                          + [mib(max(m.state_mb)), mib(m.unsharded_state_mb), number(m.state_fraction),
-                             number(m.ideal_fraction)]
-                          + [mib((m.memory_mb or {}).get(moment)) for moment in moments]
-                          + [ms(m.optimizer_s), ms(m.step_s)])
+        table.add([number(k) for k in fields_of(r.point, keys)]
+                  + [mib(max(m.state_mb)), mib(m.unsharded_state_mb), number(m.state_fraction),
+                     number(m.ideal_fraction)]
+                  + [mib((m.memory_mb or {}).get(moment)) for moment in moments]
+                  + [ms(m.optimizer_s), ms(m.step_s)], r)
     return [table]

@@ -7,7 +7,7 @@ from systems.accounting.layouts import Cluster, Compute, Links, fastest, predict
 from systems.bench.schema import LAYOUT_BUCKET_MB, LAYOUT_VARIANTS
 from systems.levers.variant import Variant
 from systems.model import get_config
-from systems.report.markdown import Table, batch_sizes, mib, ms, number, order
+from systems.report.markdown import BATCH, Table, batch_sizes, mib, ms, number, order
 from systems.report.runs import Result, Run
 
 AXES = ("shard", "replicate")
@@ -34,14 +34,14 @@ def layout_tables(run: Run) -> list[Table]:
     columns = ["preset", "precision", "context", "ranks", "variant", "layout", "step", "forward", "backward",
                "comm wait", "all-gather wait", "vs single"]
     columns += [f"{axis} {figure}" for axis in AXES for figure in ("ranks", "MiB sent", "alone (ms)", "GB/s")]
-    table = Table("layouts", f"Layouts of the same ranks{batch_sizes(results)} per rank: step (ms; mean over ranks of "
+    table = Table("layouts", f"Layouts of the same ranks{BATCH} per rank: step (ms; mean over ranks of "
                              "their medians) and what each axis carries per step", columns,
                   note="Layouts are replicas x shards: bucketed is DDP (N x 1), fsdp shards over every rank (1 x N), "
                        "hsdp and torch-hsdp shard inside a node and replicate across nodes. Per axis: the bytes a "
                        "rank sends (systems.accounting.traffic, ring bytes), the time that axis's collectives of a "
                        "step take alone, back to back (torch-hsdp's timed with ours of the same sizes), and its bus "
                        "bandwidth. Comm wait and all-gather wait are what the step waited for: the communication "
-                       "not hidden (torch's waits fall inside its backward).")
+                       "not hidden (torch's waits fall inside its backward).", batches=batch_sizes(results))
     for r in results:
         m, point = r.measured, r.point
         single = next((s for s in run.select("layout", variant=Variant.SINGLE) if _shape(s) == _shape(r)), None)
@@ -54,9 +54,11 @@ def layout_tables(run: Run) -> list[Table]:
             comm = m.axes.get(axis)
             row += ["", "", "", ""] if comm is None else [number(comm.ranks), mib(comm.sent_mb), ms(comm.seconds),
                                                           number(comm.busbw_gbps)]
-        table.rows.append(row)
-    table.rows += [[number(p.preset), number(p.precision), number(p.context), number(p.world_size),
-                    number(p.variant), number(p.layout), "OOM"] + [""] * (len(columns) - 7) for p in oom]
+        table.add(row, r, *filter(None, (single,)))
+    for entry in oom:
+        p = entry.point
+        table.add([number(p.preset), number(p.precision), number(p.context), number(p.world_size),
+                   number(p.variant), number(p.layout), "OOM"] + [""] * (len(columns) - 7), entry)
     return [table] + _prediction_tables(results)
 
 
@@ -91,8 +93,8 @@ def _prediction_tables(results: list[Result]) -> list[Table]:
             for nodes in NODES:
                 cluster = Cluster(nodes, GPUS_PER_NODE)
                 steps = predict_layouts(config, precision, cluster, links, compute, bucket_size_mb=LAYOUT_BUCKET_MB)
-                table.rows.append([number(preset), number(precision), number(context), number(intra), number(inter),
-                                   number(nodes), number(cluster.gpus)]
-                                  + [ms(step.step_s) for step in steps.values()]
-                                  + [ms(step.exposed_s) for step in steps.values()] + [fastest(steps)])
+                table.add([number(preset), number(precision), number(context), number(intra), number(inter),
+                           number(nodes), number(cluster.gpus)]
+                          + [ms(step.step_s) for step in steps.values()]
+                          + [ms(step.exposed_s) for step in steps.values()] + [fastest(steps)], single, fsdp)
     return [table] if table.rows else []

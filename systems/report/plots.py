@@ -1,4 +1,6 @@
-"""The report's plots: log-log lines of time and throughput against size, one PNG per figure."""
+"""The report's plots: log-log lines of time and throughput against size, one PNG per figure. A series is one
+machine's: the machine and runs of a figure are named in its title where all its series share them, else in each
+series' name."""
 
 from __future__ import annotations
 
@@ -9,11 +11,13 @@ from pathlib import Path
 
 from systems.bench.schema import MODEL_PHASES
 from systems.levers.variant import Variant
-from systems.report.course import course_plots
+from systems.report.course import communication_lines
 from systems.report.markdown import order
-from systems.report.runs import Result, Run
+from systems.report.runs import Result, Run, named_runs
 
 Series = dict[str, list[tuple[float, float, str | None]]]  # label -> (x, y, the point's name) points
+# (label, machine) -> (x, y, the point's name, its run) points: a series before its source is named
+Sourced = dict[tuple[str, str], list[tuple[float, float, str | None, str]]]
 MAX_TICKS = 8  # x ticks a panel labels before they would overlap
 # With matplotlib's 10 colours, a marker and a colour per series change together: 40 series before a pair repeats,
 # then the line style changes.
@@ -66,7 +70,10 @@ def build_plots(run: Run, out: Path) -> list[Path]:
         lambda r: (f"{r.point.preset}, batch {r.point.batch}, context {r.point.context}, {r.point.precision.name}, "
                    f"{r.point.attention}"),
         [("step (ms)", lambda r: r.mean * 1e3)], name=lambda r: str(r.point.scheme)), None))
-    return [path for figure in figures if (path := _plot(plt, out, *figure)) is not None] + course_plots(run, out)
+    # Section 8's layouts keep a line of one device count: a layout measured at one size is still a figure.
+    figures.append(("ffn_communication", "SwiGLU layer's communication, measured and predicted from its machine's W",
+                    "devices (ranks)", [(ylabel, _sourced(lines, 1)) for ylabel, lines in communication_lines(run)], 3))
+    return [path for figure in figures if (path := _plot(plt, out, *figure)) is not None]
 
 
 def _tflops(result: Result) -> float | None:
@@ -74,22 +81,45 @@ def _tflops(result: Result) -> float | None:
 
 
 def _panels(results: list[Result], x: Figure, label: Callable[[Result], str], panels: list[tuple[str, Figure]],
-            name: Callable[[Result], str] | None = None) -> list[tuple[str, Series]]:
-    """For each (y label, y of a result): the points of each label's line, each (x, y, its name or None), x sorted;
-    lines of one point are dropped. Named points are drawn apart, each with its name, not joined."""
-    out = []
-    for ylabel, y in panels:
-        series = defaultdict(list)
-        for r in results:
-            if x(r) is not None and y(r) is not None:
-                series[label(r)].append((x(r), y(r), name(r) if name else None))
-        out.append((ylabel, {line: sorted(points) for line, points in sorted(series.items()) if len(points) > 1}))
-    return out
+            name: Callable[[Result], str] | None = None) -> list[tuple[str, Sourced]]:
+    """For each (y label, y of a result): the points of each label's line on each machine, each (x, y, its name or
+    None, its run), x sorted; lines of one point are dropped. Named points are drawn apart, each with its name, not
+    joined."""
+    return [(ylabel, _sourced([(label(r), r, x(r), y(r), name(r) if name else None) for r in results
+                               if x(r) is not None and y(r) is not None], 2)) for ylabel, y in panels]
 
 
-def _plot(plt, out: Path, name: str, title: str, xlabel: str, panels: list[tuple[str, Series]],
+def _sourced(points: list[tuple], fewest: int) -> Sourced:
+    """(label, result, x, y[, name]) points as lines, one per label and machine, of `fewest` points or more."""
+    series = defaultdict(list)
+    for label, r, x, y, *name in points:
+        series[(label, r.source.machine)].append((x, y, *(name or [None]), r.source.run))
+    return {key: sorted(line) for key, line in sorted(series.items()) if len(line) >= fewest}
+
+
+def _named(title: str, panels: list[tuple[str, Sourced]]) -> tuple[str, list[tuple[str, Series]]]:
+    """The title and the panels with each series named by its source: the machine, then the runs, in the title
+    where every series shares them, else after the series' label."""
+    runs = defaultdict(set)
+    for _, series in panels:
+        for key, points in series.items():
+            runs[key].update(run for *_, run in points)
+    runs = {key: named_runs(numbers) for key, numbers in runs.items()}
+    shared = [names.pop() for names in ({machine for _, machine in runs}, set(runs.values())) if len(names) == 1]
+
+    def label(key: tuple[str, str]) -> str:
+        own = [part for part in (key[1], runs[key]) if part not in shared]
+        return f"{key[0]} ({', '.join(own)})" if own else key[0]
+
+    return (f"{title} — {', '.join(shared)}" if shared else title,
+            [(ylabel, {label(key): [point[:3] for point in points] for key, points in series.items()})
+             for ylabel, series in panels])
+
+
+def _plot(plt, out: Path, name: str, title: str, xlabel: str, panels: list[tuple[str, Sourced]],
           columns: int | None = None) -> Path | None:
-    """The figure of `_figure`, saved as `name`.png; nothing when no series has two points."""
+    """The figure of `_figure`, its series named by their sources, saved as `name`.png; nothing without a series."""
+    title, panels = _named(title, panels)
     fig = _figure(plt, title, xlabel, panels, columns)
     if fig is None:
         return None

@@ -1,7 +1,11 @@
-"""Saved runs: finding them in the storage, loading them into results, merging runs saved in chunks."""
+"""Saved runs: finding them in the storage, loading them into results, merging runs saved in chunks. Every result
+and out-of-memory point keeps its source (the run, its commit, the GPU kind and count that measured it), so that
+runs of several machines merge without one machine's point standing for another's."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import re
 from collections.abc import Iterable
@@ -13,10 +17,26 @@ from systems.bench.schema import (MEASURED, POINT, Measured, Point, SchemaError,
                                   read_point)
 
 RUN_RANGE = re.compile(r"(?P<first>\d+)-(?P<last>\d+)")  # --run 16-20
+GPU_MEMORY = re.compile(r"\d+GB")  # where a GPU's name turns from its kind to its variant: "H100 80GB HBM3"
 
 
 class ReportError(Exception):
     """A problem with the history, reported as one line."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """What measured a figure: the tables and plots name it beside the figure."""
+    run: str  # the history's number, "0073"
+    commit: str
+    machine: str  # the GPU kind and count, "2 x H200", or "CPU"
+
+
+@dataclass(frozen=True)
+class OutOfMemory:
+    """A point that ran out of memory, and where."""
+    point: Point
+    source: Source
 
 
 @dataclass(frozen=True)
@@ -30,6 +50,7 @@ class Result:
     min: float
     max: float
     rounds: int
+    source: Source
 
     @property
     def seconds(self) -> float | None:
@@ -44,33 +65,54 @@ class Result:
 @dataclass(frozen=True)
 class Run:
     paths: tuple[Path, ...]  # one history, or several merged (merge_runs)
+    sources: tuple[Source, ...]  # each history's
     machine: str  # what ran it, e.g. "NVIDIA H100 80GB HBM3, torch 2.11.0"
     commit: str
     datetime: str
     results: list[Result]
-    out_of_memory: list[Point]
+    out_of_memory: list[OutOfMemory]
 
     @property
     def id(self) -> str:
         """The run's number, or the merged runs' as ranges: 0016-0020+0023-0029+0032."""
-        numbers = [path.stem.split("_")[0] for path in self.paths]
-        spans = []
-        for number in numbers:
-            if spans and number.isdigit() and spans[-1][-1].isdigit() and int(number) == int(spans[-1][-1]) + 1:
-                spans[-1].append(number)
-            else:
-                spans.append([number])
-        return "+".join(span[0] if len(span) == 1 else f"{span[0]}-{span[-1]}" for span in spans)
+        return "+".join(run_spans(path.stem.split("_")[0] for path in self.paths))
 
     def select(self, kind: str, **fields) -> list[Result]:
         """The results of a point kind whose points have these field values."""
         return [r for r in self.results if r.point is not None and r.point.kind == kind
                 and all(getattr(r.point, field) == value for field, value in fields.items())]
 
-    def oom(self, kind: str, **fields) -> list[Point]:
+    def oom(self, kind: str, **fields) -> list[OutOfMemory]:
         """The points of a kind that ran out of memory."""
-        return [point for point in self.out_of_memory if point.kind == kind
-                and all(getattr(point, field) == value for field, value in fields.items())]
+        return [oom for oom in self.out_of_memory if oom.point.kind == kind
+                and all(getattr(oom.point, field) == value for field, value in fields.items())]
+
+    @property
+    def machines(self) -> list[str]:
+        """The machines that measured the run's points, in the order they first come."""
+        return list(dict.fromkeys(entry.source.machine for entry in [*self.results, *self.out_of_memory]))
+
+    def on(self, machine: str) -> Run:
+        """The run's results and out-of-memory points measured on `machine`."""
+        return dataclasses.replace(self, results=[r for r in self.results if r.source.machine == machine],
+                                   out_of_memory=[oom for oom in self.out_of_memory if oom.source.machine == machine])
+
+
+def run_spans(numbers: Iterable[str]) -> list[str]:
+    """Run numbers, consecutive ones as a range: 0016-0020, 0023."""
+    spans = []
+    for number in numbers:
+        if spans and number.isdigit() and spans[-1][-1].isdigit() and int(number) == int(spans[-1][-1]) + 1:
+            spans[-1].append(number)
+        else:
+            spans.append([number])
+    return [span[0] if len(span) == 1 else f"{span[0]}-{span[-1]}" for span in spans]
+
+
+def named_runs(numbers: Iterable[str]) -> str:
+    """The runs a figure comes from, as its title or legend names them: "run 0073", "runs 0016-0020, 0023"."""
+    numbers = sorted(set(numbers))
+    return f"run{'s' * (len(numbers) > 1)} {', '.join(run_spans(numbers))}"
 
 
 def find_run(storage: Path, machine: str | None, run_id: str | None) -> Path:
@@ -132,19 +174,20 @@ def _run_ids(run_ids: str) -> list[str]:
 
 
 def merge_runs(runs: list[Run]) -> Run:
-    """One run of several, e.g. a sweep saved in chunks: where runs share a point, the later one's
-    result (or its out-of-memory) wins."""
+    """One run of several, e.g. a sweep saved in chunks: where runs of one machine share a point, the later one's
+    result (or its out-of-memory) wins; another machine's keeps its own."""
     if len(runs) == 1:
         return runs[0]
-    points: dict[str, Result | Point] = {}
+    points: dict[tuple[str, str], Result | OutOfMemory] = {}
     for run in runs:
-        points.update((result.name, result) for result in run.results)
-        points.update((f"{point.kind}[{point}]", point) for point in run.out_of_memory)
+        points.update(((result.source.machine, result.name), result) for result in run.results)
+        points.update(((oom.source.machine, f"{oom.point.kind}[{oom.point}]"), oom) for oom in run.out_of_memory)
     return Run(paths=tuple(path for run in runs for path in run.paths),
+               sources=tuple(source for run in runs for source in run.sources),
                machine=_distinct(run.machine for run in runs), commit=_distinct(run.commit for run in runs),
                datetime=f"{runs[0].datetime} to {runs[-1].datetime}",
                results=[point for point in points.values() if isinstance(point, Result)],
-               out_of_memory=[point for point in points.values() if isinstance(point, Point)])
+               out_of_memory=[point for point in points.values() if isinstance(point, OutOfMemory)])
 
 
 def _distinct(values: Iterable[str]) -> str:
@@ -173,13 +216,17 @@ def load_run(path: Path) -> Run:
     data = _read(path)
     try:
         check_schema(data)
+        machine_info = data.get("machine_info") or {}
+        commit = str((data.get("commit_info") or {}).get("id", "unknown"))
+        source = Source(path.stem.split("_")[0], commit, machine_label(machine_info))
         return Run(
             paths=(path,),
-            machine=_describe_machine(data.get("machine_info") or {}),
-            commit=str((data.get("commit_info") or {}).get("id", "unknown")),
+            sources=(source,),
+            machine=_describe_machine(machine_info),
+            commit=commit,
             datetime=str(data.get("datetime", "")),
-            results=[_result(bench) for bench in data["benchmarks"]],
-            out_of_memory=[read_point(entry[POINT]) for entry in data.get("out_of_memory", [])],
+            results=[_result(bench, source) for bench in data["benchmarks"]],
+            out_of_memory=[OutOfMemory(read_point(entry[POINT]), source) for entry in data.get("out_of_memory", [])],
         )
     except SchemaError as exc:
         raise ReportError(f"{path}: {exc}") from None
@@ -187,7 +234,7 @@ def load_run(path: Path) -> Run:
         raise ReportError(f"{path} is not a pytest-benchmark history ({type(exc).__name__}: {exc})") from None
 
 
-def _result(bench: dict) -> Result:
+def _result(bench: dict, source: Source) -> Result:
     extra_info = bench.get("extra_info") or {}
     point = read_point(extra_info[POINT]) if POINT in extra_info else None
     if point is not None and MEASURED not in extra_info:
@@ -198,7 +245,17 @@ def _result(bench: dict) -> Result:
     stats = bench["stats"]
     return Result(name=bench["name"], point=point, measured=measured, fields={**params, **extra_info},
                   mean=float(stats["mean"]), stddev=float(stats["stddev"]), min=float(stats["min"]),
-                  max=float(stats["max"]), rounds=int(stats["rounds"]))
+                  max=float(stats["max"]), rounds=int(stats["rounds"]), source=source)
+
+
+def machine_label(info: dict) -> str:
+    """The GPU kind and count a run was measured on, short: "2 x H200" ("NVIDIA H200" on a 2-GPU host), "CPU"."""
+    lab = info.get("systems_lab") or {}
+    if not lab.get("gpu"):
+        return "CPU"
+    words = lab["gpu"].removeprefix("NVIDIA ").split()
+    kind = " ".join(itertools.takewhile(lambda word: not GPU_MEMORY.fullmatch(word), words)) or lab["gpu"]
+    return f"{lab.get('gpu_count') or 1} x {kind}"
 
 
 def _describe_machine(info: dict) -> str:
