@@ -55,7 +55,8 @@ def test_an_unknown_tier_is_a_usage_error(inner_pytest):
     inner_pytest.makepyfile(test_tiered=TIERED)
     result = inner_pytest.runpytest_inprocess("-p", "no:cacheprovider", "--tiers", "default,fast")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    assert "--tiers default,fast: choose default, all, or from default, launch, slow, timing" in result.stderr.str()
+    assert ("--tiers default,fast: choose default, all, or from default, launch, slow, timing, browser"
+            in result.stderr.str())
 
 
 SPANS = """

@@ -71,7 +71,7 @@ class Leases:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item):
-        with host_lease(self.shared, alone=tiers.tier_of(item) == "timing"):
+        with host_lease(self.shared, alone=tiers.tier_of(item) in tiers.ALONE):
             n = lease_size(item, self.gpus)
             if n == 0 or n > self.gpus:  # nothing to hold, or skipped for want of GPUs
                 return (yield)

@@ -15,7 +15,9 @@ TIERS = {
     "launch": "more real launches of a feature than its default check: torchrun nodes, every variant across nodes",
     "slow": "long checks: compile on ranks, full world-size matrices, many Hypothesis examples",
     "timing": "checks of timings (the gate's on a GPU): run alone, off the critical path of -n",
+    "browser": "the HTML report in headless Chromium (where it is installed): what a person sees, how fast, alone",
 }
+ALONE = frozenset({"timing", "browser"})  # tiers whose items time something: under -n each holds the host alone
 
 
 def add_options(parser) -> None:
