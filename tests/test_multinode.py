@@ -333,8 +333,9 @@ def test_a_node_that_dies_mid_run_fails_the_job_promptly_naming_rank_and_node(cl
     assert len({node for _, node, _, _ in failures}) <= 1
     if victim == 0:  # the survivor's launcher loses the rendezvous' store and stops its ranks: it says so
         assert "The connection to the C10d store has failed" in output, output[-3000:]
-    elif backend == "gloo":  # its ranks see their peers' connections close and name themselves
-        assert sorted(int(local) for _, _, local, _ in failures) == [0, 1], output[-3000:]
+    elif backend == "gloo":  # its ranks see their peers' connections close and name themselves; torchrun stops
+        # a node's other ranks once one has failed, so on a loaded host the second may be stopped before it can
+        assert failures and {int(local) for _, _, local, _ in failures} <= {0, 1}, output[-3000:]
         assert all("Connection closed by peer" in cause or "Connection reset" in cause for *_, cause in failures)
     else:  # a rank stuck in an NCCL collective is aborted (init_from_env): torchrun's summary names it
         assert re.search(r"rank\s*: \d \(local_rank: \d\)", output), output[-3000:]
