@@ -5,7 +5,8 @@ test_multinode).
 Each rank's micro-batch gradient is made apart, with that rank's shapes and kernels, and the gradients are
 averaged as the layout's collectives average them under gloo (systems.parallel.collectives: every sum in rank
 order, then a division): over each shard group in rank order, then those means over the replicas in replica
-order. FSDP over the world is Layout(shard=N); its replicated parameters are averaged the same way.
+order. FSDP over the world is Layout(shard=N); its replicated parameters are averaged the same way. Under tensor
+parallelism the ranks of a tensor group compute one micro-batch together: the reference computes it once, whole.
 """
 
 from __future__ import annotations
@@ -42,10 +43,10 @@ def layout_mean(grads: Sequence[Sequence[torch.Tensor]], layout: Layout) -> list
 def train_one_process(spec: TrainSpec, layout: Layout, device: torch.device, extra_step: bool = False) -> dict:
     """systems.parallel.train.train(spec)'s steps on `layout`'s ranks, in one process, in fp32: rank 0's starting
     weights (the wrappers broadcast them), every rank's rows of each global batch, their gradients averaged as
-    `layout_mean` does, the optimizer `train` builds. Returns the losses (each step's mean over the ranks, in rank
-    order, as `train` reports them) and the parameters; `extra_step` runs the last batch once more (its loss left
-    out), as test_fullstep's `one_more_step` does. Activation checkpointing is off: it recomputes the same ops on
-    the same inputs (test_checkpointing)."""
+    `layout_mean` does, the optimizer `train` builds. Returns the losses (each step's mean over the data-parallel
+    ranks, in rank order, as `train` reports them) and the parameters; `extra_step` runs the last batch once more
+    (its loss left out), as test_fullstep's `one_more_step` does. Activation checkpointing is off: it recomputes
+    the same ops on the same inputs (test_checkpointing)."""
     if spec.precision != PRECISIONS["fp32"]:
         raise ValueError("the reference computes in fp32")
     config = dataclasses.replace(spec.config(), checkpoint=(), checkpoint_keep=0,
@@ -59,7 +60,10 @@ def train_one_process(spec: TrainSpec, layout: Layout, device: torch.device, ext
     losses = []
     for micro_batches in steps + steps[-1:] * extra_step:
         grads, step_losses = [], []
-        for tokens, targets in micro_batches:
+        for rank, (tokens, targets) in zip(ranks, micro_batches):
+            if layout.coordinates(rank.index)["tensor"]:  # its tensor group's first rank's rows, computed there
+                grads.append(None)
+                continue
             loss = model(tokens, targets)
             grads.append(torch.autograd.grad(loss, params))
             step_losses.append(loss.detach())

@@ -43,8 +43,8 @@ from systems.model import TransformerLM
 from systems.optim import AdamW
 from systems.parallel import fsdp as fsdp_module
 from systems.parallel.fsdp import FSDP
-from systems.parallel.mesh import Mesh
-from systems.parallel.parallelize import TorchFSDP2
+from systems.parallel.mesh import Mesh, device_mesh
+from systems.parallel.parallelize import DATA_AXES, TorchFSDP2
 from systems.parallel.ranks import rank_device
 from systems.precision import PRECISIONS
 
@@ -142,7 +142,7 @@ def train_sharded(wrapper: str, layout_name: str, compute: str, optimizer_name: 
     if wrapper == "ours":
         wrapped = FSDP(model, None if compute == "fp32" else COMPUTE[compute], gather=gather, mesh=mesh)
     else:
-        wrapped = TorchFSDP2(model, COMPUTE[compute], layout)
+        wrapped = TorchFSDP2(model, COMPUTE[compute], device_mesh(layout, DATA_AXES))
     optimizer = make_optimizer(optimizer_name, wrapped.parameters())
     mine = rows(mesh.data.index)
     losses, sent = [], Counter()

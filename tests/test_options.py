@@ -48,7 +48,7 @@ def test_grid(request):
     ("--fsdp-prefetch=0", "--fsdp-prefetch: prefetch must be at least 1, got 0"),
     ("--fullstep-variants=fsdp,ddp", "--fullstep-variants: unknown variant 'ddp'; choose from " + ", ".join(Variant)),
     ("--fullstep-variants=fsdp,torch-hsdp", "--fullstep-variants: torch-hsdp takes a layout: bench_layouts runs it"),
-    ("--layouts=2x2,1x2x2", "--layouts: layout 1x2x2: the training loop has no tensor parallelism"),
+    ("--layouts=2x2,1x2x2", "--layouts: layout 1x2x2 has a tensor axis: bench_layouts lays out replicas x shards"),
     ("--checkpoint=every0", "--checkpoint: checkpointing 'every0': segment sizes must be positive"),
     ("--checkpoint=4", "--checkpoint: unknown checkpointing '4'"),
     ("--loss-chunk=0", "--loss-chunk: 0 is not positive"),

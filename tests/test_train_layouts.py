@@ -146,7 +146,8 @@ def test_a_bad_layout_is_refused_by_name(text):
 @pytest.mark.parametrize("fields, message", [
     (dict(variant="hsdp"), "hsdp needs a layout of replicas x shards"),
     (dict(variant="torch-hsdp"), "torch-hsdp needs a layout"),
-    (dict(variant="fsdp", layout="2x2"), "a layout is for hsdp and torch-hsdp; fsdp shares the step over every rank"),
+    (dict(variant="fsdp", layout="2x2"), "a layout is for hsdp, torch-hsdp, fsdp-tp, torch-fsdp-tp; fsdp shares the "
+                                         "step over every rank"),
     (dict(variant="bucketed", layout="4x1"), "bucketed shares the step over every rank"),
     (dict(variant="hsdp", layout="1x2x2"), "no tensor parallelism"),
     (dict(variant="hsdp", layout="2x2", optimizer="sharded"), "shards the optimizer state itself"),

@@ -40,7 +40,8 @@ def _world_variant(text: str) -> Variant:
     """A variant that shares the step over every rank: the layouts of hsdp and torch-hsdp are bench_layouts'."""
     variant = Variant(text)
     if variant.meshed:
-        raise ValueError(f"{variant} takes a layout: bench_layouts runs it")
+        raise ValueError(f"{variant} takes a layout: " + ("bench_fullstep shares the step over every rank"
+                                                         if variant.tensor_parallel else "bench_layouts runs it"))
     return variant
 
 
@@ -120,8 +121,12 @@ GROUPS: dict[str, tuple[str, list[Option]]] = {
         Option("--attn-precisions", _attention_precision, "", "fp32/bf16/fp16 for the FlashAttention sweep, "
                "instead of --attn-grid's", many=True, empty=True),
         Option("--attn-impls", one_of(BENCHED_BACKENDS, "implementation"), "",
-               "from naive, compiled (torch.compile'd naive), pytorch (FlashAttentionPytorch), triton, sdpa; "
-               "default naive,compiled,triton,sdpa on CUDA and naive,pytorch,sdpa on CPU", many=True, empty=True),
+               "from naive, compiled (torch.compile'd naive), pytorch (FlashAttentionPytorch), triton, gluon (the "
+               "Gluon forward, Hopper only), sdpa (as torch picks), sdpa-flash and sdpa-cudnn (SDPA held to that "
+               "kernel), sdpa-fa3 and sdpa-fa4 (SDPA's flash kernel replaced by torch's registered FA3/FA4, where "
+               "installed), flex (FlexAttention, compiled); default on CUDA naive,compiled,triton,gluon (sm90 "
+               "only),sdpa,sdpa-flash,sdpa-cudnn,sdpa-fa3/sdpa-fa4 (where installed),flex, and naive,pytorch,sdpa "
+               "on CPU", many=True, empty=True),
     ]),
     "distributed benchmarks": ("bench_allreduce, bench_ddp, bench_fsdp, bench_layouts, bench_fullstep; defaults fit "
                                "a laptop CPU (gloo, 2 ranks; bench_layouts 4)", [
@@ -250,6 +255,10 @@ def configure_grid(config) -> Grid:
             raise pytest.UsageError(f"{OPTIONS[dest].flag} {','.join(selective)} with --compile-blocks on: op-level "
                                     "selection cannot see inside a compiled block; compile only with the other "
                                     "schemes")
+    for layout in values["layouts"]:
+        if layout.tensor > 1:
+            raise pytest.UsageError(f"--layouts: layout {layout} has a tensor axis: bench_layouts lays out replicas x "
+                                    f"shards (DDP, FSDP, HSDP); tensor parallelism trains as --variant fsdp-tp")
     grid = config.stash[GRID] = Grid(**values)
     return grid
 

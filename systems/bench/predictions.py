@@ -11,8 +11,9 @@ from systems.parallel.spec import TrainSpec
 def predicted_peak_mb(spec: TrainSpec, world_size: int, device: str) -> float | None:
     """The largest rank's predicted peak, MiB, on `device` ("cuda" or "cpu"): systems.accounting.fsdp_memory for
     our FSDP, peak_memory otherwise; None for torch's FSDP2, whose per-block gathers and sharded state the
-    accounting does not model. A nested scheme is resolved as the run resolves it."""
-    if spec.variant == Variant.FSDP2:
+    accounting does not model, and for tensor parallelism, whose slices it does not model either. A nested scheme is
+    resolved as the run resolves it."""
+    if spec.variant == Variant.FSDP2 or spec.variant.tensor_parallel:
         return None
     config = spec.resolved(device).config()
     if spec.variant == Variant.FSDP:

@@ -67,6 +67,7 @@ class FSDP(nn.Module):
             raise TypeError(f"mesh must be None (shard over the world) or a systems.parallel.mesh.Mesh, got {mesh!r}")
         super().__init__()
         self.module, self.compute_dtype, self.prefetch = module, compute_dtype, prefetch
+        self.mesh = mesh  # None: the world
         # Without a mesh the world's group (None), as torch names it: today's collectives, no new group.
         self.shard_group = mesh.shard.group if mesh is not None else None
         self.replicate_group = mesh.replicate.group if mesh is not None and mesh.replicate.size > 1 else None

@@ -1,4 +1,4 @@
-"""What a data-parallel training run is: `TrainSpec`, every lever of it typed and checked once.
+"""What a parallel training run is: `TrainSpec`, every lever of it typed and checked once.
 
 Each field names its lever's one text parser and help (`lever`): torchrun's command line (systems.parallel's
 `--bucket-size-mb`) and the benchmarks' options are made from them, and TrainSpec given text parses it with the
@@ -25,14 +25,14 @@ from systems.model import DEFAULT_EDITION, EDITIONS, Attention, Fused, Transform
 from systems.precision import PRECISIONS, Precision, get_precision
 
 
-def data_layout(layout: Layout | str) -> Layout:
-    """A training run's layout, or its text: replicas x shards, since the training loop has no tensor
-    parallelism (systems.parallel.tensor)."""
-    layout = Layout.parse(layout)
-    if layout.tensor != 1:
-        raise ValueError(f"layout {layout}: the training loop has no tensor parallelism (systems.parallel.tensor); "
-                         f"give replicas x shards, e.g. 2x2")
-    return layout
+def check_layout(variant: Variant, layout: Layout) -> None:
+    """A meshed variant's layout: a tensor axis for tensor parallelism under FSDP, none for HSDP."""
+    if variant.tensor_parallel and layout.tensor == 1:
+        raise ValueError(f"layout {layout}: {variant} splits every block over the layout's tensor axis; give "
+                         f"replicas x shards x tensor, e.g. 1x2x2")
+    if not variant.tensor_parallel and layout.tensor != 1:
+        raise ValueError(f"layout {layout}: {variant} has no tensor parallelism; {Variant.FSDP_TP} (ours) and "
+                         f"{Variant.TORCH_FSDP_TP} (torch's) put tensor parallelism under FSDP")
 
 
 def lever(default, parse: Callable[[str], object], help: str):
@@ -51,7 +51,8 @@ class TrainSpec:
     optimizer: Optimizer = lever(Optimizer.ADAMW, Optimizer, "optimizer: " + ", ".join(Optimizer))
     precision: Precision = lever(PRECISIONS["fp32"], get_precision,
                                  "fp32, bf16 (autocast), fp16, bf16-weights (bf16 weights and gradients)")
-    batch_size: int = lever(4, spelling.positive(int), "sequences per step, per rank")
+    batch_size: int = lever(4, spelling.positive(int), "sequences per step, per data-parallel rank (the ranks of a "
+                            "tensor-parallel group share theirs)")
     context: int = lever(128, spelling.positive(int), "tokens per sequence")
     warmup: int = lever(2, spelling.at_least_zero, "untimed steps first")
     steps: int = lever(5, spelling.positive(int), "timed steps, after the warm-up")
@@ -67,8 +68,9 @@ class TrainSpec:
     fsdp_prefetch: int = lever(DEFAULT_PREFETCH, parse_prefetch,
                                "our FSDP's all-gathers in flight ahead of the computing layer")
     fsdp_gather: Gather = lever(DEFAULT_GATHER, Gather, "what one of our FSDP's collectives covers: layer or block")
-    layout: Layout | None = lever(None, data_layout, "hsdp and torch-hsdp's replicas x shards, e.g. 2x2 (the other "
-                                  "variants share the step over the whole world)")
+    layout: Layout | None = lever(None, Layout.parse, "the layout of hsdp and torch-hsdp (replicas x shards, e.g. "
+                                  "2x2) and of fsdp-tp and torch-fsdp-tp (x tensor, e.g. 1x2x2); the other variants "
+                                  "share the step over the whole world")
 
     def __post_init__(self):
         for field in dataclasses.fields(self):
@@ -76,14 +78,16 @@ class TrainSpec:
             if isinstance(value, str):
                 object.__setattr__(self, field.name, field.metadata["parse"](value))
         if self.variant.meshed and self.layout is None:
-            raise ValueError(f"{self.variant} needs a layout of replicas x shards, e.g. 2x2")
+            axes = "replicas x shards" + (" x tensor, e.g. 1x2x2" if self.variant.tensor_parallel else ", e.g. 2x2")
+            raise ValueError(f"{self.variant} needs a layout of {axes}")
         if not self.variant.meshed and self.layout is not None:
-            raise ValueError(f"a layout is for {Variant.HSDP} and {Variant.TORCH_HSDP}; {self.variant} shares the "
+            raise ValueError(f"a layout is for {', '.join(v for v in Variant if v.meshed)}; {self.variant} shares the "
                              f"step over every rank")
         if self.layout is not None:
-            data_layout(self.layout)
-        if self.variant.sharded and self.optimizer != Optimizer.ADAMW:
-            raise ValueError(f"{self.variant} shards the optimizer state itself: use optimizer 'adamw'")
+            check_layout(self.variant, self.layout)
+        if (self.variant.sharded or self.variant.tensor_parallel) and self.optimizer != Optimizer.ADAMW:
+            what = "shards the optimizer state" if self.variant.sharded else "splits the weights and their state"
+            raise ValueError(f"{self.variant} {what} itself: use optimizer 'adamw'")
         if self.variant == Variant.TORCH and self.bucket_size_mb is None:
             raise ValueError("torch's DistributedDataParallel needs a bucket size")
         if self.bucket_size_mb is not None and not self.bucket_size_mb > 0:

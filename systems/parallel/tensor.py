@@ -5,8 +5,9 @@ split across the ranks of a group, so each rank holds and computes 1/T of every 
 (qkv by heads, SwiGLU's w1 and w3 by d_ff), those that contract it row-parallel (out, w2), each region bracketed by
 Megatron's f and g (`copy_to_region`, `reduce_from_region`); the embedding, the norms and the LM head stay whole.
 `torch_tensor_parallel` is torch's DTensor TP of the same model, beside it; `qkv_in_model_order` puts its qkv rows
-back in the model's order. With FSDP (2D, `Layout(shard=dp, tensor=tp)`) TP comes first, over the mesh's tensor
-axis. docs/design-notes.md has the design.
+back in the model's order, and `gather_slices` every rank's slices of ours. With FSDP (2D, `Layout(shard=dp,
+tensor=tp)`) TP comes first, over the mesh's tensor axis (systems.parallel.parallelize). docs/design-notes.md has
+the design.
 """
 
 from __future__ import annotations
@@ -18,7 +19,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from systems.model import TransformerConfig, TransformerLM
-from systems.parallel.collectives import all_reduce_sum
+from systems.parallel.collectives import all_gather, all_reduce_sum
+
+# The weights tensor_parallel splits, by their name in a block, and the dimension each rank keeps a slice of: 0,
+# column-parallel (output features); 1, row-parallel (input features).
+SPLITS = {"attn.qkv.weight": 0, "attn.out.weight": 1, "ffn.w1.weight": 0, "ffn.w3.weight": 0, "ffn.w2.weight": 1}
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -128,3 +133,26 @@ def torch_tensor_parallel(model: TransformerLM, mesh) -> TransformerLM:
 def qkv_in_model_order(weight: torch.Tensor, config: TransformerConfig, size: int) -> torch.Tensor:
     """A full qkv weight in torch_tensor_parallel's row order, (T, 3, heads/T, d_head), back in the model's."""
     return weight.view(size, 3, config.num_heads // size, config.d_head, -1).transpose(0, 1).flatten(0, 3)
+
+
+@torch.no_grad()
+def gather_slices(params: dict[str, torch.Tensor], group: dist.ProcessGroup | None) -> dict[str, torch.Tensor]:
+    """`params` (a tensor_parallel model's, by name: this rank's slices of the split weights) with every rank's
+    slices of the split weights gathered over `group` (None: the world) and put back whole, in the model's order:
+    qkv's rows [q, k, v] each head after head, the others' slices concatenated along the dimension they split. A
+    collective: call it on every rank of the group."""
+    size = dist.get_world_size(group)
+    whole = {}
+    for name, param in params.items():
+        dim = next((dim for suffix, dim in SPLITS.items() if name.endswith(suffix)), None)
+        if dim is None:
+            whole[name] = param
+            continue
+        flat = param.new_empty(size * param.numel())
+        all_gather([flat], [param.detach().contiguous().view(-1)], f"tensor parallel {name}", group).wait()
+        parts = flat.view(size, *param.shape).unbind()
+        if name.endswith("attn.qkv.weight"):  # each part is (3, heads/T, d_head) rows: cat q's heads, k's, v's
+            whole[name] = torch.cat([part.view(3, -1, part.shape[-1]) for part in parts], dim=1).flatten(0, 1)
+        else:
+            whole[name] = torch.cat(parts, dim=dim)
+    return whole

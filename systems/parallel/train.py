@@ -1,7 +1,8 @@
-"""The data-parallel training loop, every step split into its phases.
+"""The parallel training loop, every step split into its phases.
 
 `train(spec)` runs on each rank of a process group (or alone, as the single-process baseline): each rank takes
-its slice of one global batch, builds the model, wraps it with `parallelize(model, spec)` and times each step
+its data-parallel rank's slice of one global batch (the ranks of a tensor-parallel group take the same rows),
+builds the model, wraps it with `parallelize(model, spec)` and times each step
 as forward, backward, waiting for gradient communication and optimizer step. The benchmarks run it through
 `systems.parallel.ranks`; torchrun runs it through `python -m systems.parallel` (systems/parallel/__main__.py).
 
@@ -24,7 +25,7 @@ from systems.levers.layout import Layout
 from systems.levers.variant import Optimizer, Variant
 from systems.model import TransformerConfig
 from systems.optim import AdamW, ShardedOptimizer
-from systems.parallel.collectives import all_reduce_mean
+from systems.parallel.collectives import all_gather, all_reduce_mean
 from systems.parallel.fsdp import FSDP
 from systems.parallel.meters import PeakMeter, PhaseClock
 from systems.parallel.parallelize import parallelize
@@ -55,24 +56,45 @@ class Rank:
             raise ValueError(f"variant '{spec.variant}' needs a process group")
         return cls(0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu"), spec.layout_for(1))
 
+    @property
+    def data_size(self) -> int:
+        """The data-parallel ranks, which split a global batch: replicas x shards."""
+        return self.layout.replicate * self.layout.shard
+
+    @property
+    def data_index(self) -> int:
+        """This rank's among them: the ranks of a tensor-parallel group share it."""
+        return self.index // self.layout.tensor
+
     def rows(self, per_rank: int) -> slice:
-        """This rank's rows of a global batch."""
-        return slice(self.index * per_rank, (self.index + 1) * per_rank)
+        """This rank's rows of a global batch: its data-parallel rank's."""
+        return slice(self.data_index * per_rank, (self.data_index + 1) * per_rank)
 
     def mean(self, values: torch.Tensor) -> torch.Tensor:
-        """`values` averaged over the ranks, in place: in rank order under gloo (systems.parallel.collectives), so
-        one process averaging the ranks' values in that order gets the same bits."""
-        if self.world_size > 1:
+        """`values` averaged over the data-parallel ranks, in place: in rank order under gloo
+        (systems.parallel.collectives), so one process averaging those ranks' values in that order gets the same
+        bits. The ranks of a tensor-parallel group hold the same values, counted once: every rank's gathered, and
+        the first of each group's summed in rank order, then divided."""
+        if self.layout.tensor > 1:
+            every = values.new_empty(self.world_size * values.numel())
+            all_gather([every], [values.contiguous().view(-1)], "values of every rank").wait()
+            firsts = every.view(self.world_size, *values.shape)[::self.layout.tensor]
+            total = firsts[0].clone()
+            for term in firsts[1:]:
+                total.add_(term)
+            values.copy_(total.div_(len(firsts)))
+        elif self.world_size > 1:
             all_reduce_mean(values, "mean over ranks").wait()
         return values
 
 
 def train(spec: TrainSpec, after_training: Callable[..., dict] | None = None) -> dict:
-    """Train data-parallel on this rank (or alone without a process group); return its measurements.
+    """Train on this rank as `spec.variant` shares the step (or alone without a process group); return its
+    measurements.
 
-    Returns per-step losses averaged over ranks (warm-up steps included), per-phase seconds of each timed step,
-    this rank's optimizer-state bytes and, on a GPU, peak memory in MiB: during construction, and in the last
-    step before and during the optimizer step. `after_training(model, step)`, given the wrapped model and a
+    Returns per-step losses averaged over the data-parallel ranks (warm-up steps included), per-phase seconds of
+    each timed step, this rank's optimizer-state bytes and, on a GPU, peak memory in MiB: during construction, and
+    in the last step before and during the optimizer step. `after_training(model, step)`, given the wrapped model and a
     function that runs one more whole step (on the last batch), adds to the result.
     """
     rank = Rank.current(spec)
@@ -102,7 +124,7 @@ def train(spec: TrainSpec, after_training: Callable[..., dict] | None = None) ->
 
 def build_optimizer(model: nn.Module, spec: TrainSpec) -> torch.optim.Optimizer:
     """The optimizer over what the wrapper `model` steps: the module's parameters, or FSDP's shards."""
-    if spec.variant in (Variant.FSDP2, Variant.TORCH_HSDP):  # DTensor parameters, which torch's AdamW steps
+    if spec.variant.dtensors:  # torch's FSDP2 and TP: DTensor parameters, which torch's AdamW steps
         return torch.optim.AdamW(model.parameters(), lr=spec.lr)
     if spec.optimizer == Optimizer.SHARDED:
         return ShardedOptimizer(model.parameters(), AdamW, lr=spec.lr)
@@ -114,11 +136,12 @@ def build_optimizer(model: nn.Module, spec: TrainSpec) -> torch.optim.Optimizer:
 
 
 def rank_batches(config: TransformerConfig, spec: TrainSpec, rank: Rank) -> Iterator[tuple[torch.Tensor, ...]]:
-    """This rank's rows of every global batch, warm-up steps included: (tokens, targets), each (batch_size, context)."""
+    """This rank's rows of every global batch, warm-up steps included: (tokens, targets), each (batch_size, context).
+    A global batch has batch_size rows per data-parallel rank."""
     data = torch.Generator().manual_seed(spec.seed)  # one stream of global batches, the same on every rank
     mine = rank.rows(spec.batch_size)
     for _ in range(spec.warmup + spec.steps):
-        tokens, targets = random_batch(config, spec.batch_size * rank.world_size, spec.context, rank.device, data)
+        tokens, targets = random_batch(config, spec.batch_size * rank.data_size, spec.context, rank.device, data)
         yield tokens[mine], targets[mine]
 
 
