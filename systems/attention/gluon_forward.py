@@ -18,8 +18,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from systems.attention.reference import check_inputs, save_for_recompute, saved_for_recompute
-from systems.attention.triton_launch import _attention_backward
+from systems.attention.reference import check_inputs
 
 HEAD_DIMS = (64, 128)
 DTYPES = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16}
@@ -285,20 +284,3 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i
                                    NUM_STAGES=num_stages, CAUSAL=is_causal, P_IN_SMEM=p_in_smem,
                                    num_warps=4, maxnreg=MAX_REGISTERS)
     return o, lse
-
-
-class FlashAttentionGluon(torch.autograd.Function):
-    """`FlashAttentionGluon.apply(q, k, v, is_causal=False)`: the Gluon forward, and the Triton FlashAttention-2
-    backward (triton_launch), which recomputes P from the forward's O and natural-log L as its own forward
-    saves them."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, is_causal=False):
-        o, lse = gluon_attention_forward(q, k, v, is_causal)
-        return save_for_recompute(ctx, q, k, v, o, lse, is_causal)
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse, is_causal = saved_for_recompute(ctx)
-        dq, dk, dv = _attention_backward(q, k, v, o, do, lse, is_causal)
-        return dq, dk, dv, None

@@ -34,11 +34,12 @@ class AttentionMeasured(Measured):
     throughput: Throughput
     peak_memory_mb: float | None  # on a GPU
     memory_before_backward_mb: float | None  # what the forward left for the backward (backward points, GPU)
-    # The forward kernels' own time, replayed from a CUDA graph (triton and sdpa forward points, GPU); triton's
-    # with SDPA's taken in turns on the same inputs.
+    # The forward kernels' own time, replayed from a CUDA graph (triton, gluon and sdpa forward points, GPU);
+    # triton's and gluon's with SDPA's taken in turns on the same inputs.
     device_ms: float | None
     sdpa_device_ms: float | None
-    # The leaderboard's: do_bench medians of the compiled function and of SDPA on the same inputs.
+    # The leaderboard's: do_bench medians of the point's implementation (triton through torch.compile, gluon eager,
+    # flex compiled) and of SDPA on the same inputs.
     do_bench_ms: float | None
     sdpa_do_bench_ms: float | None
 
