@@ -19,7 +19,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from systems.attention.gluon_forward import (CONSUMER_REGISTERS, DTYPES, LOG2E, MAX_REGISTERS, PRODUCER_REGISTERS,
-                                             _rows)
+                                             as_rows)
 
 LOG2E_: gl.constexpr = gl.constexpr(LOG2E)
 KEYS_PER_CONSUMER = 64  # a wgmma's M per warpgroup: the rows of Sᵀ, dK and dV one consumer owns
@@ -291,7 +291,7 @@ def gluon_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     d, n_queries, n_keys = q.shape[-1], q.shape[-2], k.shape[-2]
     batch_heads = q.numel() // (n_queries * d)
     num_stages = num_stages or default_stages(d, block_m)
-    q2, k2, v2, o2, do2 = (_rows(t) for t in (q, k, v, o, do))
+    q2, k2, v2, o2, do2 = (as_rows(t) for t in (q, k, v, o, do))
     lse = lse.contiguous()
     delta = torch.empty(lse.shape, dtype=torch.float32, device=q.device)
     dq_acc = torch.empty(q2.shape, dtype=torch.float32, device=q.device)

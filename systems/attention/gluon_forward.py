@@ -229,7 +229,7 @@ def default_stages(head_dim: int, block_n: int) -> int:
     return 2 if head_dim * block_n >= 128 * 128 else 3
 
 
-def _rows(t: torch.Tensor) -> torch.Tensor:
+def as_rows(t: torch.Tensor) -> torch.Tensor:
     """t as a (batch × heads × seq, d) matrix, copied where TMA cannot read it in place (strided rows, or a base
     address off 16 bytes)."""
     t = t if t.dim() == 4 else t.unsqueeze(1)
@@ -268,7 +268,7 @@ def gluon_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, i
     d, n_queries, n_keys = q.shape[-1], q.shape[-2], k.shape[-2]
     batch_heads = q.numel() // (n_queries * d)
     num_stages = num_stages or default_stages(d, block_n)
-    q2, k2, v2 = _rows(q), _rows(k), _rows(v)
+    q2, k2, v2 = as_rows(q), as_rows(k), as_rows(v)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
     gl_dtype = DTYPES[q.dtype]

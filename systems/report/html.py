@@ -8,9 +8,8 @@ commit, picked by machine, point kind and point (systems.report.history_view: a 
 few lines of script over the embedded JSON), and under it the chosen machine's tables and plots: each point's latest
 result over that machine's runs. A missing or malformed history is a one-line error, exit 2.
 
-Bokeh rather than plotly: the page must open in under 2 s on a 2-core laptop, and the one plotly.js that plotly's
-Python package ships (every trace type, 4.8 MB) takes about 4 s there to start in Chromium; BokehJS's core
-(1.3 MB) about 1 s.
+Bokeh rather than plotly: the page must open in under 2 s on a 2-core laptop, and plotly's Python package ships
+only its whole plotly.js, several times BokehJS's core and slower to start (docs/design-notes.md).
 """
 
 from __future__ import annotations
