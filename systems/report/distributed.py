@@ -216,8 +216,10 @@ def predicted_peak(r: Result, cell) -> tuple[float | None, str]:
     prediction stored by the run in brackets where it differs by more than rounding."""
     device = "cuda" if r.measured.backend == "nccl" else "cpu"
     today, stored = predicted_peak_mb(r.point.spec(), r.point.world_size, device), r.measured.predicted_peak_mb
-    differs = (today is None) != (stored is None) or (today and stored and abs(today / stored - 1) > 1e-3)
-    return today, (cell(today) + (f" ({cell(stored)})" if differs and stored is not None else "")).strip()
+    shown = cell(today)
+    if stored is not None and (today is None or abs(today / stored - 1) > 1e-3):
+        shown += f" ({cell(stored)})"
+    return today, shown.strip()
 
 
 LEVERS_OFF = {"checkpoint": "none", "loss_chunk": "full"}  # a full step's levers, by name where they are off

@@ -16,21 +16,24 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from systems.bench.history import HistoryError, check_history, is_complete
-from systems.report.runs import ReportError, Run, load_run, machine_label
+from systems.report.runs import ReportError, Run, load_run
 
-CPU = "CPU"  # runs.machine_label's name for a run without a GPU
+CPU = "CPU"  # systems.report.runs.machine_label's name for a run without a GPU
 
 
 @dataclass(frozen=True)
 class Saved:
-    """One complete saved run, with what the typed Run leaves out: its machine, commit time and medians."""
+    """One complete saved run, with what the typed Run leaves out: its commit time and medians."""
 
     run: Run
-    machine: str
     commit_time: datetime  # the run's own time where the history has no commit time
     run_time: datetime
     dirty: bool  # timed with uncommitted changes
     medians: dict[str, float]  # benchmark name: median of its rounds, seconds
+
+    @property
+    def machine(self) -> str:
+        return self.run.sources[0].machine
 
     @property
     def file(self) -> str:
@@ -62,8 +65,7 @@ def _saved(path: Path) -> Saved | None:
     if not is_complete(history):
         return None
     commit = history.get("commit_info") or {}
-    return Saved(run=run, machine=machine_label(history.get("machine_info") or {}),
-                 commit_time=_when(commit.get("time") or run.datetime, path.name),
+    return Saved(run=run, commit_time=_when(commit.get("time") or run.datetime, path.name),
                  run_time=_when(run.datetime, path.name), dirty=bool(commit.get("dirty")),
                  medians={bench["name"]: float(bench["stats"]["median"]) for bench in history["benchmarks"]})
 
