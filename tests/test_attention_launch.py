@@ -116,7 +116,7 @@ def test_triton_splits_the_keys_when_the_grid_is_too_small(flash_triton, device,
     interpreted = triton_launch.interpreted()
     min_keys = triton_launch.INTERPRETED_MIN_KEYS_PER_SPLIT if interpreted else triton_launch.MIN_KEYS_PER_SPLIT
     n_keys = 4 * min_keys + 5
-    assert triton_launch._key_splits(1, 1, 40, n_keys, device) == 4
+    assert triton_launch.key_splits(1, 1, 40, n_keys, device) == 4
     check_against_reference(flash_triton.apply, Case(1, None, 40, n_keys, 32, is_causal, torch.float32, "sliced", 7),
                             device)
     assert len(merged) == 1  # the forward took the split path

@@ -15,6 +15,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from systems.attention.pytorch import FlashAttentionPytorch
 from systems.attention.reference import naive_attention
 
+GLUON_MIN_KEYS = 4096  # "flash" runs the Gluon forward from this many keys (see _gluon_is_faster)
+
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool = False) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
@@ -86,10 +88,10 @@ def flash_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
     """The BACKENDS name that "flash" runs for these inputs, decided on the host from their metadata alone.
 
     "gluon" (the FlashAttention-3-style forward) where its own input check takes them: CUDA on Hopper (sm90),
-    bf16 or fp16, head dim 64 or 128; and only in eager code: under torch.compile, or a dispatch mode
-    (selective checkpointing), the Triton FlashAttention-2 custom ops, which Dynamo sees as opaque ops and
-    selective checkpointing as saveable, neither of which holds for the Gluon launch. "triton" on every other
-    CUDA input, "pytorch" off CUDA (where Triton would be its interpreter).
+    bf16 or fp16, head dim 64 or 128; where it is the faster forward (`_gluon_is_faster`); and only in eager
+    code: under torch.compile, or a dispatch mode (selective checkpointing), the Triton FlashAttention-2 custom
+    ops, which Dynamo sees as opaque ops and selective checkpointing as saveable, neither of which holds for the
+    Gluon launch. "triton" on every other CUDA input, "pytorch" off CUDA (where Triton would be its interpreter).
     """
     if q.device.type != "cuda":
         return "pytorch"
@@ -97,7 +99,20 @@ def flash_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: b
 
     if through_dispatcher():
         return "triton"
-    return "gluon" if _gluon_takes(q, k, v, is_causal) else "triton"
+    return "gluon" if _gluon_is_faster(q, k) and _gluon_takes(q, k, v, is_causal) else "triton"
+
+
+def _gluon_is_faster(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Where the Gluon forward beats FlashAttention-2's: GLUON_MIN_KEYS keys or more (shorter, its launch's host
+    work outweighs the faster kernel), and query tiles enough to fill the GPU without FlashAttention-2's key
+    split (one long sequence alone: FlashAttention-2 spreads its keys over the idle SMs; the Gluon forward
+    cannot). Measured on an H100: docs/perf-notes.md."""
+    from systems.attention.triton_launch import key_splits
+
+    n_queries, n_keys, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    if n_keys < GLUON_MIN_KEYS or q.numel() == 0:
+        return False
+    return key_splits(q.numel() // (n_queries * d), 1, n_queries, n_keys, q.device) == 1
 
 
 def _gluon_takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool) -> bool:

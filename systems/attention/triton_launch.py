@@ -158,7 +158,7 @@ def _grid(shape: dict, tiles):
 
 
 @functools.cache
-def _sm_count(device_index: int | None) -> int:
+def sm_count(device_index: int | None) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -167,13 +167,13 @@ def _l2_bytes(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).L2_cache_size if device.type == "cuda" else INTERPRETED_L2_BYTES
 
 
-def _key_splits(batch: int, heads: int, n_queries: int, n_keys: int, device: torch.device) -> int:
+def key_splits(batch: int, heads: int, n_queries: int, n_keys: int, device: torch.device) -> int:
     """How many programs share each query tile's keys, so that a grid too small for the GPU fills it.
 
     With one long sequence the grid has fewer query tiles than the GPU can run at once, and the forward takes
     as long as its longest row: splitting the keys shortens that row, for the price of a merge pass.
     """
-    sms = _sm_count(device.index) if device.type == "cuda" else 1
+    sms = sm_count(device.index) if device.type == "cuda" else 1
     min_keys = INTERPRETED_MIN_KEYS_PER_SPLIT if interpreted() else MIN_KEYS_PER_SPLIT
     tiles = batch * heads * triton.cdiv(n_queries, 128)
     return max(1, min(MAX_SPLITS, SPLIT_SLOTS_PER_SM * sms // tiles, n_keys // min_keys))
@@ -183,7 +183,7 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool)
     # q: (batch, heads, n_queries, d), k and v: (batch, heads, n_keys, d)
     batch, heads, n_queries, _ = q.shape
     shape = _shape_args(q, k, "forward")
-    splits = _key_splits(batch, heads, n_queries, k.shape[2], q.device)
+    splits = key_splits(batch, heads, n_queries, k.shape[2], q.device)
     o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty((batch, heads, n_queries), dtype=torch.float32, device=q.device)
     o_part, lse_part = o, lse  # unused by an unsplit forward

@@ -125,7 +125,13 @@ def train(spec: TrainSpec, after_training: Callable[..., dict] | None = None) ->
 def build_optimizer(model: nn.Module, spec: TrainSpec) -> torch.optim.Optimizer:
     """The optimizer over what the wrapper `model` steps: the module's parameters, or FSDP's shards."""
     if spec.variant.dtensors:  # torch's FSDP2 and TP: DTensor parameters, which torch's AdamW steps
-        return torch.optim.AdamW(model.parameters(), lr=spec.lr)
+        from torch.distributed.tensor import DTensor  # here: a slow import, already made by these variants
+
+        params = list(model.parameters())
+        # Its foreach kernels (CUDA's default) take DTensors or plain tensors, not both in one list: TP alone
+        # leaves the weights it does not split (the norms') plain.
+        mixed = len({isinstance(param, DTensor) for param in params}) > 1
+        return torch.optim.AdamW(params, lr=spec.lr, foreach=False if mixed else None)
     if spec.optimizer == Optimizer.SHARDED:
         return ShardedOptimizer(model.parameters(), AdamW, lr=spec.lr)
     if spec.optimizer == Optimizer.ZERO:
