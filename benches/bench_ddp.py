@@ -20,9 +20,11 @@ import statistics
 
 from systems.bench.options import grid_of, points_or_usage_error
 from systems.bench.schema import DDP_VARIANTS, DDPMeasured, DDPPoint, OptimizerMeasured, OptimizerPoint
+from systems.bench.schema.distributed import SHARDED_BUCKET_MB
 from systems.bench.timing import record_measured, record_point
-from systems.bench.training import memory_mb, on_rank_gpus, phases, train_in_ranks, training_measured
+from systems.bench.training import memory_mb, on_rank_gpus, phases, schedule_of, train_in_ranks, training_measured
 from systems.levers.variant import Optimizer, Variant
+from systems.parallel.spec import TrainSpec
 
 TORCH_DDP_BUCKET_MB = 25.0  # torch's default bucket_cap_mb
 
@@ -33,8 +35,9 @@ def step_grid(grid) -> list[DDPPoint]:
     for precision in grid.precisions:
         for context in grid.contexts:
             def point(variant: Variant, bucket_size_mb: float | None, world_size: int) -> DDPPoint:
-                return DDPPoint(grid.ddp_preset, grid.edition, precision, grid.batch_size, context, world_size,
-                                variant=variant, bucket_size_mb=bucket_size_mb)
+                return DDPPoint(TrainSpec(preset=grid.ddp_preset, edition=grid.edition, variant=variant,
+                                          bucket_size_mb=bucket_size_mb, precision=precision,
+                                          batch_size=grid.batch_size, context=context), world_size)
 
             points.append(point(Variant.SINGLE, None, 1))
             for world_size in (n for n in grid.world_sizes if n > 1):
@@ -46,8 +49,10 @@ def step_grid(grid) -> list[DDPPoint]:
 
 
 def optimizer_grid(grid) -> list[OptimizerPoint]:
-    points = [OptimizerPoint(grid.ddp_preset, grid.edition, grid.precisions[0], grid.batch_size, grid.contexts[0],
-                             world_size, optimizer=optimizer)
+    points = [OptimizerPoint(TrainSpec(preset=grid.ddp_preset, edition=grid.edition, variant=Variant.BUCKETED,
+                                       bucket_size_mb=SHARDED_BUCKET_MB, optimizer=optimizer,
+                                       precision=grid.precisions[0], batch_size=grid.batch_size,
+                                       context=grid.contexts[0]), world_size)
               for world_size in grid.world_sizes if world_size > 1 for optimizer in Optimizer]
     return points_or_usage_error(points, "test_optimizer_memory", "--world-sizes", "sharding needs 2 ranks or more")
 
@@ -61,11 +66,11 @@ def pytest_generate_tests(metafunc):
 
 
 def test_ddp_step(benchmark, point, rank_pools, grid, device, skip_on_oom):
-    benchmark.group = f"ddp-step-{point.precision.name}-ctx{point.context}"
-    spec = point.spec(grid.warmup_steps, grid.rounds)
+    spec = point.spec
+    benchmark.group = f"ddp-step-{spec.precision.name}-ctx{spec.context}"
     record_point(benchmark, point)
     with skip_on_oom:
-        ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec)
+        ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec, schedule_of(grid))
     measured = training_measured(spec, ranks, point.world_size, device)
     steps = [statistics.median(rank["seconds"]["step"]) for rank in ranks]
     record_measured(benchmark, DDPMeasured(**measured, step_spread_s=max(steps) - min(steps),
@@ -76,13 +81,12 @@ def test_optimizer_memory(benchmark, optimizer_point, rank_pools, grid, skip_on_
     """Optimizer state per rank and peak memory, for AdamW, ShardedOptimizer(AdamW) and ZeRO-1 of torch."""
     point = optimizer_point
     benchmark.group = f"optimizer-{point.world_size}ranks"
-    spec = point.spec(grid.warmup_steps, grid.rounds)
     record_point(benchmark, point)
     with skip_on_oom:
-        ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec)
+        ranks = train_in_ranks(benchmark, rank_pools, point.world_size, point.spec, schedule_of(grid))
     state = [rank["state_bytes"] for rank in ranks]
     # The sharded optimizers split the unsharded state between ranks; AdamW holds all of it on each.
-    unsharded = state[0] if point.optimizer == Optimizer.ADAMW else sum(state)
+    unsharded = state[0] if point.spec.optimizer == Optimizer.ADAMW else sum(state)
     timed = phases(ranks)
     record_measured(benchmark, OptimizerMeasured(
         state_mb=[s / 2**20 for s in state], unsharded_state_mb=unsharded / 2**20,

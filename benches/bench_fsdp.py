@@ -23,29 +23,33 @@ import itertools
 
 from systems.bench.options import grid_of, points_or_usage_error
 from systems.bench.predictions import predicted_peak_mb
-from systems.bench.schema import FSDP_VARIANTS, FSDPMeasured, FSDPPoint
+from systems.bench.schema import FSDPMeasured, FSDPPoint
+from systems.bench.schema.distributed import FSDP_DDP_BUCKET_MB
 from systems.bench.timing import record_measured, record_point
-from systems.bench.training import (breakdowns, gathered_mb, on_rank_gpus, step_breakdown, train_in_ranks,
-                                    training_measured)
+from systems.bench.training import (breakdowns, gathered_mb, on_rank_gpus, schedule_of, step_breakdown,
+                                    train_in_ranks, training_measured)
 from systems.levers.variant import Variant
+from systems.parallel.spec import TrainSpec
 
 
 def fsdp_grid(grid) -> list[FSDPPoint]:
-    """Per shape: one process, then every variant on each world size, ours at each gather and prefetch depth."""
+    """Per shape: one process, then on each world size bucketed DDP, ours at each gather and prefetch depth, and
+    FSDP2 (FSDP_VARIANTS' order)."""
     points = []
     for precision in grid.precisions:
         for context in grid.contexts:
-            def point(variant: Variant, world_size: int, gather=None, prefetch=None) -> FSDPPoint:
-                return FSDPPoint(grid.fsdp_preset, grid.edition, precision, grid.batch_size, context, world_size,
-                                 variant=variant, gather=gather, prefetch=prefetch)
+            def point(variant: Variant, world_size: int, **levers) -> FSDPPoint:
+                return FSDPPoint(TrainSpec(preset=grid.fsdp_preset, edition=grid.edition, variant=variant,
+                                           precision=precision, batch_size=grid.batch_size, context=context,
+                                           **levers), world_size)
 
             multi_rank = [n for n in grid.world_sizes if n > 1]
             points += [point(Variant.SINGLE, 1)] if multi_rank else []
             for world_size in multi_rank:
-                for variant in FSDP_VARIANTS[1:]:
-                    ours = itertools.product(grid.fsdp_gather, grid.fsdp_prefetch)
-                    points += [point(variant, world_size, *levers) for levers in
-                               (ours if variant == Variant.FSDP else [(None, None)])]
+                points.append(point(Variant.BUCKETED, world_size, bucket_size_mb=FSDP_DDP_BUCKET_MB))
+                points += [point(Variant.FSDP, world_size, fsdp_gather=gather, fsdp_prefetch=prefetch)
+                           for gather, prefetch in itertools.product(grid.fsdp_gather, grid.fsdp_prefetch)]
+                points.append(point(Variant.FSDP2, world_size))
     return points_or_usage_error(points, "test_fsdp_step", "--world-sizes", "FSDP needs 2 ranks or more")
 
 
@@ -55,12 +59,11 @@ def pytest_generate_tests(metafunc):
 
 
 def test_fsdp_step(benchmark, fsdp_point, rank_pools, grid, device, skip_on_oom):
-    point = fsdp_point
-    benchmark.group = f"fsdp-step-{point.preset}-{point.precision.name}-ctx{point.context}"
-    spec = point.spec(grid.warmup_steps, grid.rounds)
+    point, spec = fsdp_point, fsdp_point.spec
+    benchmark.group = f"fsdp-step-{spec.preset}-{spec.precision.name}-ctx{spec.context}"
     record_point(benchmark, point)
     with skip_on_oom:
-        ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec, step_breakdown)
+        ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec, schedule_of(grid), step_breakdown)
     record_measured(benchmark, FSDPMeasured(
         **training_measured(spec, ranks, point.world_size, device),
         predicted_peak_mb=predicted_peak_mb(spec, point.world_size, device.type),

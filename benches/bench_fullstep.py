@@ -42,10 +42,11 @@ from systems.bench.options import grid_of
 from systems.bench.predictions import predicted_peak_mb
 from systems.bench.schema import FullStepMeasured, FullStepPoint
 from systems.bench.timing import record_measured, record_point, seconds_since_process_start
-from systems.bench.training import (breakdowns, gathered_mb, on_rank_gpus, step_breakdown, train_in_ranks,
-                                    training_measured)
+from systems.bench.training import (breakdowns, gathered_mb, on_rank_gpus, schedule_of, step_breakdown,
+                                    train_in_ranks, training_measured)
 from systems.leaderboard import agreed_step_ms
 from systems.levers.variant import Variant
+from systems.parallel.spec import TrainSpec
 
 # do_bench runs as many steps as fit in its time budgets, as each rank measures them; every rank must run the
 # same number (a step is collectives), so the budgets sit halfway between step counts of the agreed step time.
@@ -58,12 +59,15 @@ def fullstep_grid(grid) -> list[FullStepPoint]:
     for precision, context, checkpoint, fused, compile, world_size, variant in itertools.product(
             grid.precisions, grid.contexts, grid.checkpoint, grid.fused, grid.compile_blocks, grid.world_sizes,
             grid.fullstep_variants):
-        ours = itertools.product(grid.fsdp_gather, grid.fsdp_prefetch) if variant == Variant.FSDP else [(None, None)]
-        points += [FullStepPoint(grid.fullstep_preset, grid.edition, precision, grid.batch_size, context,
-                                 1 if variant == Variant.SINGLE else world_size, variant=variant,
-                                 attention=grid.attention, checkpoint=checkpoint, loss_chunk=grid.loss_chunk,
-                                 gather=gather, prefetch=prefetch, fused=fused, compile=compile)
-                   for gather, prefetch in ours]
+        ours = ([dict(fsdp_gather=gather, fsdp_prefetch=prefetch)
+                 for gather, prefetch in itertools.product(grid.fsdp_gather, grid.fsdp_prefetch)]
+                if variant == Variant.FSDP else [{}])
+        points += [FullStepPoint(TrainSpec(preset=grid.fullstep_preset, edition=grid.edition, variant=variant,
+                                           precision=precision, batch_size=grid.batch_size, context=context,
+                                           checkpoint=checkpoint, loss_chunk=grid.loss_chunk,
+                                           attention=grid.attention, fused=fused, compile=compile, **levers),
+                                 1 if variant == Variant.SINGLE else world_size)
+                   for levers in ours]
     return list(dict.fromkeys(points))  # one process once, whatever the world sizes
 
 
@@ -86,16 +90,15 @@ def leaderboard_timing(model, step) -> dict:
 
 
 def test_fullstep(benchmark, fullstep_point, rank_pools, grid, device, skip_on_oom):
-    point = fullstep_point
-    benchmark.group = f"fullstep-{point.preset}-{point.precision.name}-ctx{point.context}"
-    spec = point.spec(grid.warmup_steps, grid.rounds).resolved(device.type)
+    point, spec = fullstep_point, fullstep_point.spec.resolved(device.type)
+    benchmark.group = f"fullstep-{spec.preset}-{spec.precision.name}-ctx{spec.context}"
     record_point(benchmark, point)
     with skip_on_oom:
-        ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec, leaderboard_timing)
+        ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec, schedule_of(grid), leaderboard_timing)
     cold_start = seconds_since_process_start()
     do_bench = max(rank["do_bench_s"] for rank in ranks) if "do_bench_s" in ranks[0] else None
     config = spec.config()
-    model = flops(config, point.batch, point.context)
+    model = flops(config, spec.batch_size, spec.context)
     measured = training_measured(spec, ranks, point.world_size, device, step_seconds=do_bench,
                                  step_flops=model.flash_step)
     peaks = [max(rank["memory_mb"].values()) for rank in ranks] if "memory_mb" in ranks[0] else None
@@ -104,5 +107,5 @@ def test_fullstep(benchmark, fullstep_point, rank_pools, grid, device, skip_on_o
         peak_gathered_mb=gathered_mb(ranks), breakdown_per_rank=breakdowns(ranks), do_bench_s=do_bench,
         cold_start_s=cold_start,
         step_pflop=point.world_size * model.flash_step / 1e15,
-        recomputed_tflop=recomputed_flops(config, point.batch, point.context, device=device.type).forward / 1e12,
+        recomputed_tflop=recomputed_flops(config, spec.batch_size, spec.context, device=device.type).forward / 1e12,
         peak_memory_mb_per_rank=peaks))

@@ -21,9 +21,10 @@ from systems.bench.axes import axis_timer
 from systems.bench.options import grid_of
 from systems.bench.schema import LAYOUT_BUCKET_MB, AxisComm, LayoutMeasured, LayoutPoint
 from systems.bench.timing import record_measured, record_point
-from systems.bench.training import on_rank_gpus, train_in_ranks, training_measured
+from systems.bench.training import on_rank_gpus, schedule_of, train_in_ranks, training_measured
 from systems.levers.layout import Layout
 from systems.levers.variant import Variant
+from systems.parallel.spec import TrainSpec
 
 AXIS_ROUNDS = 5
 
@@ -35,8 +36,10 @@ def layout_grid(grid) -> list[LayoutPoint]:
     for precision in grid.precisions:
         for context in grid.contexts:
             def point(variant: Variant, layout: Layout) -> LayoutPoint:
-                return LayoutPoint(variant, layout, grid.layout_preset, grid.edition, precision, grid.batch_size,
-                                   context)
+                return LayoutPoint(TrainSpec(preset=grid.layout_preset, edition=grid.edition, variant=variant,
+                                             layout=layout if variant.meshed else None, precision=precision,
+                                             batch_size=grid.batch_size, context=context,
+                                             bucket_size_mb=LAYOUT_BUCKET_MB), layout)
 
             points.append(point(Variant.SINGLE, Layout()))
             for layout in grid.layouts:
@@ -52,19 +55,18 @@ def pytest_generate_tests(metafunc):
 
 
 def test_layout_step(benchmark, layout_point, rank_pools, grid, device, skip_on_oom):
-    point = layout_point
-    benchmark.group = f"layouts-{point.preset}-{point.precision.name}-ctx{point.context}-{point.world_size}ranks"
-    spec = point.spec(grid.warmup_steps, grid.rounds)
+    point, spec = layout_point, layout_point.spec
+    benchmark.group = f"layouts-{spec.preset}-{spec.precision.name}-ctx{spec.context}-{point.world_size}ranks"
     config = spec.config()
-    collectives = (ddp_collectives(config, spec.precision, point.world_size, LAYOUT_BUCKET_MB)
-                   if point.variant == Variant.BUCKETED
+    collectives = (ddp_collectives(config, spec.precision, point.world_size, spec.bucket_size_mb)
+                   if spec.variant == Variant.BUCKETED
                    else fsdp_collectives(config, spec.precision, point.layout, spec.fsdp_gather))
-    timer = axis_timer(point.layout, collectives, plain_all_reduce=point.variant == Variant.BUCKETED,
+    timer = axis_timer(point.layout, collectives, plain_all_reduce=spec.variant == Variant.BUCKETED,
                        rounds=AXIS_ROUNDS)
     record_point(benchmark, point)
     with skip_on_oom:
-        ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec,
-                               timer if point.variant != Variant.SINGLE else None)
+        ranks = train_in_ranks(benchmark, rank_pools, point.world_size, spec, schedule_of(grid),
+                               timer if spec.variant != Variant.SINGLE else None)
     sent = axis_traffic(collectives)
     axes = {axis: AxisComm.of(getattr(point.layout, axis), sent[axis].total,
                               max(rank["axis_seconds"][axis] for rank in ranks))

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from systems.levers.layout import Layout
-from systems.parallel.spec import TrainSpec
+from systems.parallel.spec import Schedule, TrainSpec
 from systems.parallel.train import Rank, build_optimizer, rank_batches
 from systems.precision import PRECISIONS
 from systems.recompute import Saves
@@ -40,10 +40,11 @@ def layout_mean(grads: Sequence[Sequence[torch.Tensor]], layout: Layout) -> list
             for i in range(len(grads[0]))]
 
 
-def train_one_process(spec: TrainSpec, layout: Layout, device: torch.device, extra_step: bool = False) -> dict:
-    """systems.parallel.train.train(spec)'s steps on `layout`'s ranks, in one process, in fp32: rank 0's starting
-    weights (the wrappers broadcast them), every rank's rows of each global batch, their gradients averaged as
-    `layout_mean` does, the optimizer `train` builds. Returns the losses (each step's mean over the data-parallel
+def train_one_process(spec: TrainSpec, schedule: Schedule, layout: Layout, device: torch.device,
+                      extra_step: bool = False) -> dict:
+    """systems.parallel.train.train(spec, schedule)'s steps on `layout`'s ranks, in one process, in fp32: rank 0's
+    starting weights (the wrappers broadcast them), every rank's rows of each global batch, their gradients averaged
+    as `layout_mean` does, the optimizer `train` builds. Returns the losses (each step's mean over the data-parallel
     ranks, in rank order, as `train` reports them) and the parameters; `extra_step` runs the last batch once more
     (its loss left out), as test_fullstep's `one_more_step` does. Activation checkpointing is off: it recomputes
     the same ops on the same inputs (test_checkpointing)."""
@@ -56,7 +57,7 @@ def train_one_process(spec: TrainSpec, layout: Layout, device: torch.device, ext
     params = list(model.parameters())
     optimizer = build_optimizer(model, spec)
     ranks = [Rank(index, layout.world_size, device, layout) for index in range(layout.world_size)]
-    steps = list(zip(*(rank_batches(config, spec, rank) for rank in ranks)))
+    steps = list(zip(*(rank_batches(config, spec, schedule, rank) for rank in ranks)))
     losses = []
     for micro_batches in steps + steps[-1:] * extra_step:
         grads, step_losses = [], []

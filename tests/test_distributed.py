@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from systems.accounting import count_parameters
-from systems.parallel.spec import TrainSpec
+from systems.parallel.spec import Schedule, TrainSpec
 from systems.parallel.train import PHASES, train
 from systems.parallel.ranks import RankFailed, RankPool, RankPools, RankTimeout, launch, rank_device
 from systems.model import get_config
@@ -146,18 +146,19 @@ def torchrun_losses(ranks: int, spec: dict) -> list[float]:
 @pytest.mark.parametrize("precision, bytes_per_parameter", [("fp32", 8), ("bf16-weights", 12)])
 def test_training_keeps_an_fp32_master_copy_of_bf16_weights(precision, bytes_per_parameter):
     """AdamW's state is two fp32 moments per parameter, and for a bf16 weight an fp32 master copy too."""
-    spec = TrainSpec(preset="tiny", variant="single", precision=precision, batch_size=1, context=8, warmup=0, steps=1)
-    assert train(spec)["state_bytes"] == bytes_per_parameter * count_parameters(get_config("tiny"))
+    spec = TrainSpec(preset="tiny", variant="single", precision=precision, batch_size=1, context=8)
+    state_bytes = train(spec, Schedule(warmup=0, steps=1))["state_bytes"]
+    assert state_bytes == bytes_per_parameter * count_parameters(get_config("tiny"))
 
 
 def test_training_times_every_phase_of_each_timed_step():
     """Warm-up steps are trained but not timed; a step's time is the sum of its phases."""
-    spec = TrainSpec(preset="tiny", variant="single", batch_size=1, context=8, warmup=1, steps=3)
-    result = train(spec)
+    schedule = Schedule(warmup=1, steps=3)
+    result = train(TrainSpec(preset="tiny", variant="single", batch_size=1, context=8), schedule)
     seconds = result["seconds"]
-    assert len(result["losses"]) == spec.warmup + spec.steps
+    assert len(result["losses"]) == schedule.warmup + schedule.steps
     assert list(seconds) == [*PHASES, "step"]
-    assert all(len(values) == spec.steps and min(values) >= 0 for values in seconds.values())
+    assert all(len(values) == schedule.steps and min(values) >= 0 for values in seconds.values())
     torch.testing.assert_close(seconds["step"], [sum(phases) for phases in zip(*(seconds[p] for p in PHASES))])
 
 

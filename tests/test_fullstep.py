@@ -27,14 +27,15 @@ from spawned_ranks import results_by_rank
 from systems.accounting import recomputed_blocks
 from systems.levers.layout import Layout
 from systems.parallel.ranks import rank_device
-from systems.parallel.spec import TrainSpec
+from systems.parallel.spec import Schedule, TrainSpec
 from systems.parallel.train import train
 from systems.precision import PRECISIONS
 from systems.step import make_model
 
 # Tokens per rank 2 x 24 = 48: chunks of 10 leave a shorter last one.
 BASE = TrainSpec(preset="leaderboard-2026-tiny", variant="fsdp", precision="fp32", batch_size=2, context=24,
-                 warmup=0, steps=3, lr=1e-2, loss_chunk=10)
+                 lr=1e-2, loss_chunk=10)
+SCHEDULE = Schedule(warmup=0, steps=3)
 SPECS = {"every1": dataclasses.replace(BASE, checkpoint="every1"),
          "nested": dataclasses.replace(BASE, checkpoint="3x1", attention="flash"),
          "every2-naive": dataclasses.replace(BASE, checkpoint="every2", attention="naive"),
@@ -54,10 +55,10 @@ def one_more_step(model, step) -> dict:
 def train_every_spec() -> dict:
     results = {}
     for name, spec in SPECS.items():
-        results[name] = train(spec, one_more_step)
+        results[name] = train(spec, SCHEDULE, one_more_step)
         if dist.get_rank() == 0:
-            results[name]["reference"] = train_one_process(spec, Layout(shard=dist.get_world_size()), rank_device(),
-                                                           extra_step=True)
+            results[name]["reference"] = train_one_process(spec, SCHEDULE, Layout(shard=dist.get_world_size()),
+                                                           rank_device(), extra_step=True)
     return results
 
 

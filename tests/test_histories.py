@@ -12,12 +12,15 @@ import pytest
 from histories import allreduce_measured, config, entry, phases, rate, save_run, step_breakdown
 from systems.bench import migrate
 from systems.bench.schema import (KINDS, MEASURED, POINT, SCHEMA, AllReducePoint, CheckpointPoint, DDPMeasured,
-                                  DDPPoint, FSDPMeasured, FSDPPoint, LeaderboardPoint, ModelMeasured, ModelPoint, Point,
-                                  SchemaError, read_measured, read_point, to_record)
+                                  DDPPoint, FSDPMeasured, FSDPPoint, FullStepPoint, LayoutPoint, LeaderboardPoint,
+                                  ModelMeasured, ModelPoint, OptimizerPoint, Point, SchemaError, read_measured,
+                                  read_point, to_record)
 from systems.levers.checkpointing import Checkpointing
+from systems.levers.layout import Layout
 from systems.levers.sharding import Gather
 from systems.levers.variant import Variant
 from systems.model import Attention, Fused
+from systems.parallel.spec import TrainSpec
 from systems.precision import PRECISIONS
 from systems.report import main
 from systems.report.runs import load_run
@@ -25,6 +28,7 @@ from systems.report.runs import load_run
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FP32, BF16 = PRECISIONS["fp32"], PRECISIONS["bf16"]
 MODEL = ModelPoint("small", "2025", 4, 128, FP32, Attention.SDPA, "eager", "forward")
+XL = dict(preset="xl", precision=BF16, batch_size=16, context=512)  # bench_fsdp's full-size shape
 
 
 def model_entry(point: ModelPoint = MODEL, seconds: float = 0.01) -> dict:
@@ -42,9 +46,9 @@ def test_a_point_kind_is_registered_once():
 @pytest.mark.parametrize("point", [
     MODEL, ModelPoint("2.7b", "2026", 2, 1024, PRECISIONS["bf16-weights"], Attention.FLASH, "regional", "step"),
     AllReducePoint("nccl", 8, 1.0), AllReducePoint("gloo", 2, 0.5),
-    DDPPoint("xl", "2025", BF16, 16, 512, 4, Variant.INDIVIDUAL, None),
-    FSDPPoint("xl", "2025", BF16, 16, 512, 2, Variant.FSDP, Gather.BLOCK, 3),
-    FSDPPoint("xl", "2025", BF16, 16, 512, 2, Variant.FSDP2, None, None),
+    DDPPoint(TrainSpec(**XL, variant=Variant.INDIVIDUAL, bucket_size_mb=None), 4),
+    FSDPPoint(TrainSpec(**XL, variant=Variant.FSDP, fsdp_gather=Gather.BLOCK, fsdp_prefetch=3), 2),
+    FSDPPoint(TrainSpec(**XL, variant=Variant.FSDP2), 2),
 ], ids=str)
 def test_a_point_reads_back_whole_and_typed_from_its_record(point):
     back = read_point(json.loads(json.dumps(point.to_record())))
@@ -57,7 +61,8 @@ def test_a_point_reads_back_whole_and_typed_from_its_record(point):
     ({"context": True}, "model point.context: True is not a int"),
     ({"precision": "fp8"}, "unknown precision 'fp8'"),
     ({"phase": None}, "model point.phase: null"),
-    ({"kind": "fsdp"}, "fsdp point: unknown fields attention, compile, phase"),
+    ({"kind": "fsdp"}, "fsdp point: unknown fields attention, batch, compile, context, edition, phase, precision, "
+                       "preset"),
 ], ids=["context-not-a-number", "bool-for-int", "unknown-precision", "phase-null", "wrong-kind"])
 def test_a_broken_point_is_an_error_naming_its_field(broken, error):
     with pytest.raises(SchemaError, match=error):
@@ -68,10 +73,10 @@ def test_a_measured_record_is_read_with_its_kinds_types():
     measured = DDPMeasured("nccl", phases(0.1, gather_wait=None), 1e4, rate(50.0, 0.05), {"after_step": 1.0},
                            config("small", 128), 0.0, 0.1)
     record = json.loads(json.dumps(to_record(measured)))
-    assert read_measured(DDPPoint("small", "2025", FP32, 4, 128, 2, Variant.BUCKETED, 1.0), record) == measured
+    point = DDPPoint(TrainSpec(preset="small", variant=Variant.BUCKETED, bucket_size_mb=1.0), 2)
+    assert read_measured(point, record) == measured
     with pytest.raises(SchemaError, match="missing field comm_share"):
-        read_measured(DDPPoint("small", "2025", FP32, 4, 128, 2, Variant.BUCKETED, 1.0),
-                      {k: v for k, v in record.items() if k != "comm_share"})
+        read_measured(point, {k: v for k, v in record.items() if k != "comm_share"})
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -97,7 +102,7 @@ def test_a_history_of_another_schema_is_a_one_line_error_that_says_so(tmp_path, 
 
 
 def test_a_breakdown_that_is_not_a_step_breakdown_is_a_bad_history(tmp_path, capsys):
-    point = FSDPPoint("xl", "2025", BF16, 16, 512, 2, Variant.FSDP, Gather.BLOCK, 1)
+    point = FSDPPoint(TrainSpec(**XL, variant=Variant.FSDP, fsdp_gather=Gather.BLOCK, fsdp_prefetch=1), 2)
     measured = FSDPMeasured("nccl", phases(0.4), 1e4, rate(1.0), None, config("xl", 512), None, None,
                             [step_breakdown(0.5, 0.4)])
     benchmark = entry(point, measured, 0.4)
@@ -193,7 +198,8 @@ def test_a_history_saved_before_the_schema_migrates_into_it_once(tmp_path):
     migrated = old.read_text()
     assert migrate.main([str(old)]) == 0 and old.read_text() == migrated
 
-    fsdp = FSDPPoint("xl", "2025", BF16, 16, 512, 2, Variant.FSDP, Gather.LAYER, 1)  # what ours ran with then
+    ours = TrainSpec(**XL, variant=Variant.FSDP, fsdp_gather=Gather.LAYER, fsdp_prefetch=1)  # what it ran with then
+    fsdp = FSDPPoint(ours, 2)
     new = [entry(MODEL, ModelMeasured(1, 4e3, rate(1.0), None, config("small", 128)), 0.4),
            entry(AllReducePoint("nccl", 2, 1.0), allreduce_measured(2**20, 4e-5, None), 0.4),
            entry(fsdp, FSDPMeasured("nccl", phases(0.4, gather_wait=0.002), 1e4, rate(1.0), {"after_step": 900.0},
@@ -237,6 +243,84 @@ def test_an_older_history_gains_the_levers_added_since(tmp_path, kind):
 def test_migration_knows_every_kind():
     """Every kind an older history's tests made has its migration, and is a kind of the schema."""
     assert set(migrate.KIND_OF_TEST.values()) == migrate.MEASURED_OF.keys() <= KINDS.keys()
+
+
+def old_shape(batch: int, **fields) -> dict:
+    """A point's shape of the xl model as schema 4 recorded it."""
+    return {"preset": "xl", "edition": "2025", "precision": "bf16", "batch": batch, "context": 512, **fields}
+
+
+# Training points as the committed histories held them at schema 4 (run 0007's DDP and optimizer points, 0051's
+# FSDP, 0067's full step, 0066's layout), beside the point of the run each trained, with the id they were saved under.
+SCHEMA_4 = {
+    "ddp": ({"kind": "ddp", "variant": "torch", "bucket_size_mb": 25.0, **old_shape(8, world_size=2)},
+            DDPPoint(TrainSpec(**XL | {"batch_size": 8}, variant="torch", bucket_size_mb=25.0), 2),
+            "torch-25MiB-xl-2025-bf16-b8-ctx512-2ranks"),
+    "ddp-single": ({"kind": "ddp", "variant": "single", "bucket_size_mb": None, **old_shape(8, world_size=1)},
+                   DDPPoint(TrainSpec(**XL | {"batch_size": 8}, variant="single", bucket_size_mb=None), 1),
+                   "single-xl-2025-bf16-b8-ctx512-1ranks"),
+    "optimizer": ({"kind": "optimizer", "optimizer": "zero", **old_shape(8, world_size=2)},
+                  OptimizerPoint(TrainSpec(**XL | {"batch_size": 8}, variant="bucketed", bucket_size_mb=25.0,
+                                           optimizer="zero"), 2),
+                  "zero-xl-2025-bf16-b8-ctx512-2ranks"),
+    "fsdp-bucketed": ({"kind": "fsdp", "variant": "bucketed", **old_shape(16, world_size=2), "gather": None,
+                       "prefetch": None},
+                      FSDPPoint(TrainSpec(**XL, variant="bucketed", bucket_size_mb=100.0), 2),
+                      "bucketed-xl-2025-bf16-b16-ctx512-2ranks"),
+    "fsdp": ({"kind": "fsdp", "variant": "fsdp", **old_shape(16, world_size=2), "gather": "layer", "prefetch": 1},
+             FSDPPoint(TrainSpec(**XL, variant="fsdp", fsdp_gather="layer", fsdp_prefetch=1), 2),
+             "fsdp-xl-2025-bf16-b16-ctx512-2ranks-layer-prefetch1"),
+    "fullstep": ({"kind": "fullstep", "preset": "leaderboard-2026", "edition": "2025", "precision": "bf16", "batch": 1,
+                  "context": 32768, "world_size": 2, "variant": "fsdp", "attention": "sdpa", "checkpoint": "attn-keep4",
+                  "loss_chunk": 4096, "gather": "block", "prefetch": 1, "fused": "all", "compile": False},
+                 FullStepPoint(TrainSpec(preset="leaderboard-2026", precision="bf16", batch_size=1, context=32768,
+                                         variant="fsdp", attention="sdpa", checkpoint="attn-keep4", loss_chunk=4096,
+                                         fsdp_gather="block", fsdp_prefetch=1, fused="all"), 2),
+                 "fsdp-leaderboard-2026-2025-bf16-b1-ctx32768-2ranks-sdpa-ckpt-attn-keep4-loss-chunk4096-block"
+                 "-prefetch1-fused-all"),
+    "layout": ({"kind": "layout", "variant": "hsdp", "layout": {"replicate": 2, "shard": 2, "tensor": 1},
+                **old_shape(4)},
+               LayoutPoint(TrainSpec(**XL | {"batch_size": 4}, variant="hsdp", layout="2x2", bucket_size_mb=25.0),
+                           Layout(2, 2)),
+               "hsdp-2x2-xl-2025-bf16-b4-ctx512"),
+}
+
+
+@pytest.mark.parametrize("name", SCHEMA_4)
+def test_a_training_point_of_schema_4_becomes_the_spec_it_ran(name):
+    """Its kind's levers and TrainSpec's defaults then, whole in its spec, under the id it was saved with; the
+    benchmark's figures stand."""
+    old, point, test_id = SCHEMA_4[name]
+    history = {"systems_lab_schema": 4, "benchmarks": [{"name": f"test_x[{test_id}]",
+                                                        "extra_info": {POINT: old, MEASURED: {"step_s": 1.0}}}],
+               "out_of_memory": [{"name": f"test_x[{test_id}]", "error": "CUDA out of memory", POINT: old}]}
+    migrated = migrate.migrate(history)
+    (bench,), (oom,) = migrated["benchmarks"], migrated["out_of_memory"]
+    assert migrated["systems_lab_schema"] == SCHEMA and bench["extra_info"][MEASURED] == {"step_s": 1.0}
+    for record in (bench["extra_info"][POINT], oom[POINT]):
+        assert record == point.to_record() and read_point(record) == point
+    assert str(point) == test_id
+
+
+COMMITTED = sorted((ROOT / ".benchmarks").glob("*/*.json"))
+
+
+def test_every_committed_point_is_the_point_its_benchmark_is_named_after():
+    """Each committed history is at the schema, and each of its points, benchmarks' and out-of-memory ones, reads
+    back to the point whose id names it: a point's key in every history."""
+    assert COMMITTED
+    for path in COMMITTED:
+        history = json.loads(path.read_text())
+        assert history["systems_lab_schema"] == SCHEMA, path
+        for bench in history["benchmarks"]:
+            point = read_point(bench["extra_info"][POINT])
+            assert bench["name"] == f"{named_test(bench)}[{point}]" and bench["param"] == str(point), path
+        for entry in history.get("out_of_memory", []):
+            assert entry["name"] == f"{named_test(entry)}[{read_point(entry[POINT])}]", path
+
+
+def named_test(entry: dict) -> str:
+    return entry["name"].split("[")[0]
 
 
 BENCH = """

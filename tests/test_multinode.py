@@ -48,7 +48,7 @@ from systems.levers.layout import Layout
 from systems.model import get_config
 from systems.parallel.parallelize import full_parameters
 from systems.parallel.ranks import RankPool, _fail_on_dead_peers
-from systems.parallel.spec import TrainSpec
+from systems.parallel.spec import Schedule, TrainSpec
 from systems.parallel.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -61,8 +61,8 @@ JOIN_TIMEOUT, NEVER_ARRIVES, GROUP_TIMEOUT = 120, 5, 20
 START_SLACK = 30  # seconds for six Python processes to import torch on a loaded 2-core machine
 RUN_TIMEOUT = 240
 
-BASE = TrainSpec(preset="tiny", variant="hsdp", layout="2x2", precision="fp32", batch_size=2, context=16, warmup=0,
-                 steps=3, lr=1e-2)
+BASE = TrainSpec(preset="tiny", variant="hsdp", layout="2x2", precision="fp32", batch_size=2, context=16, lr=1e-2)
+SCHEDULE = Schedule(warmup=0, steps=3)
 # name: (spec, exact against the one-process reference). Each costs a launch of six Python processes (~10 s on 2
 # cores): ours and torch's HSDP run by default, the others in the launch tier (each variant's arithmetic is
 # checked against one process, launched once per module, in its own test file).
@@ -100,13 +100,15 @@ def listening(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
-def spec_options(spec: TrainSpec) -> list[str]:
-    """The entry point's options for `spec`, one per field, as text its parsers read back."""
+def spec_options(spec: TrainSpec, schedule: Schedule = SCHEDULE) -> list[str]:
+    """The entry point's options for `spec` and `schedule`, one per field, as text its parsers read back."""
     options = []
-    for field in dataclasses.fields(spec):
-        value = getattr(spec, field.name)
-        if value is not None and value != field.default:
-            options.append(f"--{field.name.replace('_', '-')}={value.name if field.name == 'precision' else value}")
+    for levers in (spec, schedule):
+        for field in dataclasses.fields(levers):
+            value = getattr(levers, field.name)
+            if value is not None and value != field.default:
+                text = value.name if field.name == "precision" else value
+                options.append(f"--{field.name.replace('_', '-')}={text}")
     return options
 
 
@@ -254,12 +256,12 @@ def one_process(spec: TrainSpec, device: torch.device) -> dict:
     """One process on the whole batch: every rank's rows at once."""
     whole = dataclasses.replace(spec, variant="single", layout=None, batch_size=WORLD_SIZE * spec.batch_size)
     with one_thread():
-        return train_one_process(whole, Layout(), device)
+        return train_one_process(whole, SCHEDULE, Layout(), device)
 
 
 def train_on_one_node(spec: TrainSpec) -> dict:
     torch.set_num_threads(1)  # as the launched ranks
-    return train(spec, lambda model, step: {"params": full_parameters(model)})
+    return train(spec, SCHEDULE, lambda model, step: {"params": full_parameters(model)})
 
 
 @pytest.fixture(scope="module")
@@ -273,11 +275,11 @@ def one_node():
 def test_two_nodes_train_like_one_process(cluster_of, tmp_path, request, name):
     spec, exact = VARIANTS[name]
     result = run_two_nodes(cluster_of("gloo"), spec, tmp_path / "params.pt")
-    assert len(result["losses"]) == spec.steps
+    assert len(result["losses"]) == SCHEDULE.steps
     cpu = torch.device("cpu")
     if exact:
         with one_thread():
-            expected = train_one_process(spec, spec.layout_for(WORLD_SIZE), cpu)
+            expected = train_one_process(spec, SCHEDULE, spec.layout_for(WORLD_SIZE), cpu)
     else:
         expected = request.getfixturevalue("one_node").run(train_on_one_node, spec)[0]
     assert_trained_alike(result, expected)
@@ -311,7 +313,7 @@ def test_a_node_that_dies_mid_run_fails_the_job_promptly_naming_rank_and_node(cl
     fails on its next look at the rendezvous (every half second) and says it lost the store, its ranks
     stopped with it, named only if they failed first."""
     cluster = cluster_of(backend)
-    long_run = spec_options(dataclasses.replace(BASE, steps=100_000))
+    long_run = spec_options(BASE, Schedule(warmup=0, steps=100_000))
     nodes = [cluster.start(long_run, gpus_of(backend, node)) for node in range(NODES)]
     deadline = time.monotonic() + 2 * START_SLACK
     while "ranks on 2 node(s)" not in cluster.output():

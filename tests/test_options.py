@@ -1,6 +1,7 @@
 """The benchmark grids' options: each parsed by its lever's parser into the typed Grid, a bad value or a grid that
 selects nothing a usage error at start-up naming the option, and the plugin visible wherever it is installed."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -18,7 +19,7 @@ from systems.levers.spelling import as_option_type
 from systems.levers.variant import Variant
 from systems.model import EDITIONS, Attention, Fused
 from systems.parallel.__main__ import parse_args
-from systems.parallel.spec import TrainSpec
+from systems.parallel.spec import Schedule, TrainSpec, lever_parser
 from systems.precision import PRECISIONS
 
 NOTHING = "def test_nothing(): pass"
@@ -167,7 +168,7 @@ def test_the_grid_holds_each_options_objects_and_refuses_text():
             Grid(**defaults | {name: text})
 
 
-# Grid options that sweep a training run's lever, by the TrainSpec field they set.
+# Grid options that sweep a training run's lever, by the TrainSpec or Schedule field they set.
 LEVER_OPTIONS = {"precisions": "precision", "batch_size": "batch_size", "attention": "attention",
                  "warmup_steps": "warmup", "rounds": "steps", "checkpoint": "checkpoint", "fused": "fused",
                  "compile_blocks": "compile",
@@ -177,7 +178,13 @@ LEVER_OPTIONS = {"precisions": "precision", "batch_size": "batch_size", "attenti
 
 @pytest.mark.parametrize("dest, field", LEVER_OPTIONS.items())
 def test_a_grid_option_and_torchruns_flag_parse_a_lever_with_its_one_parser(dest, field):
-    assert OPTIONS[dest].parse is TrainSpec.parser(field)
+    assert OPTIONS[dest].parse is lever_parser(field)
+
+
+def test_a_lever_is_the_field_of_one_dataclass():
+    """What a run trains (TrainSpec) and how long it is timed (Schedule) share no name: lever_parser finds one."""
+    trained, timed = ({field.name for field in dataclasses.fields(levers)} for levers in (TrainSpec, Schedule))
+    assert trained and timed and not trained & timed
 
 
 @pytest.mark.parametrize("flags, field, value", [
@@ -187,13 +194,21 @@ def test_a_grid_option_and_torchruns_flag_parse_a_lever_with_its_one_parser(dest
     (["--variant", "hsdp", "--layout", "2x2"], "layout", Layout(replicate=2, shard=2)),
     (["--precision", "bf16"], "precision", PRECISIONS["bf16"])])
 def test_torchruns_flags_are_the_specs_fields(flags, field, value):
-    launch, spec = parse_args(["--backend", "gloo", *flags])
+    launch, spec, schedule = parse_args(["--backend", "gloo", *flags])
     assert getattr(spec, field) == value
+
+
+def test_torchruns_warmup_and_steps_are_the_schedules():
+    launch, spec, schedule = parse_args(["--backend", "gloo", "--warmup", "0", "--steps", "3"])
+    assert schedule == Schedule(warmup=0, steps=3) and spec == parse_args(["--backend", "gloo"])[1]
+    assert parse_args(["--backend", "gloo"])[2] == Schedule()
 
 
 @pytest.mark.parametrize("flags, message", [(["--fsdp-prefetch", "0"], "--fsdp-prefetch: prefetch must be at least 1"),
                                             (["--loss-chunk", "-4"], "--loss-chunk: -4 is not positive"),
-                                            (["--variant", "fsdp2x"], "--variant: unknown variant")])
+                                            (["--variant", "fsdp2x"], "--variant: unknown variant"),
+                                            (["--steps", "0"], "--steps: 0 is not positive"),
+                                            (["--warmup", "-1"], "--warmup: -1 is not zero or more")])
 def test_a_bad_torchrun_flag_is_a_usage_error_naming_it(flags, message, capsys):
     with pytest.raises(SystemExit):
         parse_args(["--backend", "gloo", *flags])
@@ -201,5 +216,5 @@ def test_a_bad_torchrun_flag_is_a_usage_error_naming_it(flags, message, capsys):
 
 
 def test_torchruns_command_line_resolves_nested_checkpointing_where_the_run_starts():
-    launch, spec = parse_args(["--backend", "gloo", "--preset", "small", "--checkpoint", "nested"])
+    launch, spec, schedule = parse_args(["--backend", "gloo", "--preset", "small", "--checkpoint", "nested"])
     assert spec.checkpoint.levels is not None and len(spec.config().checkpoint) == 2

@@ -21,6 +21,7 @@ from systems.levers.sharding import Gather
 from systems.levers.variant import Optimizer, Variant
 from systems.model import get_config
 from systems.precision import PRECISIONS
+from systems.parallel.spec import TrainSpec
 from systems.parallel.swiglu import FFNLayout
 from systems.report import main, plots
 from systems.report.plots import _figure, build_plots
@@ -68,12 +69,14 @@ def attention_benchmarks() -> list[dict]:
 
 OOM = [AttentionPoint("handout", "naive", 8, 16384, 16, FP32, False, "forward"),
        AttentionPoint("flash", "naive", 1, 1024, 128, BF16, True, "forward"),
-       DDPPoint("small", "2025", FP32, 4, 128, 2, variant=Variant.BUCKETED, bucket_size_mb=100.0)]
+       DDPPoint(TrainSpec(preset="small", variant=Variant.BUCKETED, bucket_size_mb=100.0, precision=FP32,
+                          batch_size=4, context=128), 2)]
 
 
 def ddp(variant: Variant, bucket: float | None, ranks: int, step: float, wait: float, backward: float = 0.06,
         precision=FP32) -> dict:
-    point = DDPPoint("small", "2025", precision, 4, 128, ranks, variant=variant, bucket_size_mb=bucket)
+    point = DDPPoint(TrainSpec(preset="small", variant=variant, bucket_size_mb=bucket, precision=precision,
+                               batch_size=4, context=128), ranks)
     return entry(point, DDPMeasured("nccl", phases(step, backward=backward, comm_wait=wait), 1e4, rate(50.0), None,
                                     config("small", 128), 0.0, wait / step), 5.0)
 
@@ -86,7 +89,8 @@ def distributed_benchmarks() -> list[dict]:
             ddp(Variant.NAIVE, None, 2, 0.150, 0.040), ddp(Variant.BUCKETED, 1.0, 2, 0.120, 0.012),
             ddp(Variant.BUCKETED, 10.0, 2, 0.115, 0.008)]
     for optimizer, share in ((Optimizer.ADAMW, 1.0), (Optimizer.SHARDED, 0.5)):
-        point = OptimizerPoint("small", "2025", FP32, 4, 128, 2, optimizer=optimizer)
+        point = OptimizerPoint(TrainSpec(preset="small", variant=Variant.BUCKETED, bucket_size_mb=25.0,
+                                         optimizer=optimizer, precision=FP32, batch_size=4, context=128), 2)
         out.append(entry(point, OptimizerMeasured([981.0 * share] * 2, 981.0, share, 0.5, 0.01, 0.2,
                                                   {"before_step": 3000.0 - 500 * (1 - share)}), 5.0))
     return out
@@ -190,13 +194,18 @@ def test_bucket_sweep_shows_the_bucket_model(tmp_path):
     assert float(rows[0][8]) == pytest.approx(model.optimal_bucket_bytes() / 2**20, rel=1e-3)
 
 
-def fsdp(variant: Variant, step: float, prefetch: int | None = None, gather: Gather | None = None, context=512,
+def fsdp_point(variant: Variant, context: int = 512, prefetch: int = 1, gather: Gather = Gather.LAYER) -> FSDPPoint:
+    """A point of bench_fsdp's grid of the xl model: ours at `prefetch` and `gather`, bucketed DDP at 100 MiB."""
+    levers = ({"fsdp_prefetch": prefetch, "fsdp_gather": gather} if variant == Variant.FSDP else
+              {"bucket_size_mb": 100.0} if variant == Variant.BUCKETED else {})
+    return FSDPPoint(TrainSpec(preset="xl", variant=variant, precision=BF16, batch_size=16, context=context,
+                               **levers), 1 if variant == Variant.SINGLE else 2)
+
+
+def fsdp(variant: Variant, step: float, prefetch: int = 1, gather: Gather = Gather.LAYER, context=512,
          **figures) -> dict:
     """A bench_fsdp benchmark of the xl model, as the bench saves it."""
-    if variant == Variant.FSDP:
-        prefetch, gather = prefetch or 1, gather or Gather.LAYER
-    point = FSDPPoint("xl", "2025", BF16, 16, context, 1 if variant == Variant.SINGLE else 2, variant, gather,
-                      prefetch)
+    point = fsdp_point(variant, context, prefetch, gather)
     measured = dict(backend="nccl", phases=phases(step, forward=step / 3, gather_wait=figures.pop("gather_wait",
                                                                                                  None)),
                     tokens_per_s=1e4, throughput=rate(200.0), memory_mb=None, config=config("xl", context),
@@ -214,7 +223,7 @@ def test_fsdp_table_puts_each_variant_beside_one_process_with_its_peak_against_t
                   fsdp(Variant.FSDP, 0.48, gather_wait=0.0123, memory_mb={"before_step": 1200.0, "after_step": 1100.0},
                        predicted_peak_mb=1000.0, peak_gathered_mb=64.0),
                   fsdp(Variant.SINGLE, 0.4), fsdp(Variant.BUCKETED, 0.45)]
-    oom = [FSDPPoint("xl", "2025", BF16, 16, 1024, 2, Variant.FSDP, Gather.LAYER, 2)]
+    oom = [fsdp_point(Variant.FSDP, 1024, prefetch=2)]
     save_run(tmp_path / "storage", 1, benchmarks, oom)
     code, out = report(tmp_path)
     assert code == 0
@@ -226,8 +235,7 @@ def test_fsdp_table_puts_each_variant_beside_one_process_with_its_peak_against_t
     ours = rows[3]
     assert (ours["step"], ours["forward"], ours["all-gather wait"]) == ("480", "160", "12.3")
     # The prediction is today's accounting's for the point's levers; the run's own (1,000) follows in brackets.
-    today = predicted_peak_mb(FSDPPoint("xl", "2025", BF16, 16, 512, 2, Variant.FSDP, Gather.LAYER, 1).spec(), 2,
-                              "cuda")
+    today = predicted_peak_mb(fsdp_point(Variant.FSDP).spec, 2, "cuda")
     assert (ours["peak"], ours["predicted peak"], ours["peak / predicted"]) == (
         "1,200", f"{today:,.0f} (1,000)", f"{1200 / today:.2f}")
     assert (ours["vs single"], ours["gathered weights"]) == ("1.2", "64")
@@ -237,11 +245,18 @@ def test_fsdp_table_puts_each_variant_beside_one_process_with_its_peak_against_t
     assert (rows[6]["context"], rows[6]["step"]) == ("1024", "OOM")
 
 
+def fullstep_point(attention: str, checkpoint: str = "every1", gather: Gather = Gather.BLOCK,
+                   context: int = 32768) -> FullStepPoint:
+    """The leaderboard's point of bench_fullstep's grid on 2 ranks: our FSDP at prefetch 1."""
+    return FullStepPoint(TrainSpec(preset="leaderboard-2026", variant=Variant.FSDP, precision=BF16, batch_size=1,
+                                   context=context, attention=attention, checkpoint=checkpoint, loss_chunk=4096,
+                                   fsdp_gather=gather, fsdp_prefetch=1), 2)
+
+
 def fullstep(attention: str, step: float, checkpoint: str = "every1", gather: Gather = Gather.BLOCK,
              **figures) -> dict:
     """A bench_fullstep benchmark of the leaderboard's point on 2 ranks, as the bench saves it."""
-    point = FullStepPoint("leaderboard-2026", "2025", BF16, 1, 32768, 2, Variant.FSDP, attention,
-                          Checkpointing.parse(checkpoint), 4096, gather, 1)
+    point = fullstep_point(attention, checkpoint, gather)
     measured = dict(backend="nccl", phases=phases(step, forward=step / 3), tokens_per_s=1e4, throughput=rate(300.0),
                     memory_mb=None, config=config("leaderboard-2026", 32768), predicted_peak_mb=None,
                     peak_gathered_mb=None, breakdown_per_rank=None, do_bench_s=None, cold_start_s=None,
@@ -253,13 +268,10 @@ def test_fullstep_table_is_compact_and_replaces_the_dump_of_every_figure(tmp_pat
     """The leaderboard's figures per point (do_bench step, MFU, tokens/s, each rank's peak against the
     prediction, cold start), points in order, an out-of-memory point as a row, and no generic table."""
     # The run stored what today's accounting predicts: the cell holds it alone.
-    point = FullStepPoint("leaderboard-2026", "2025", BF16, 1, 32768, 2, Variant.FSDP, "sdpa",
-                          Checkpointing.parse("every1"), 4096, Gather.BLOCK, 1)
-    today = predicted_peak_mb(point.spec(), 2, "cuda")
+    today = predicted_peak_mb(fullstep_point("sdpa").spec, 2, "cuda")
     figures = dict(do_bench_s=6.5, throughput=rate(389.6, 0.3939), tokens_per_s=10123.5,
                    peak_memory_mb_per_rank=[70535.6, 70000.0], predicted_peak_mb=today, cold_start_s=115.45)
-    oom = [FullStepPoint("leaderboard-2026", "2025", BF16, 1, 65536, 2, Variant.FSDP, "sdpa",
-                         Checkpointing.parse("every1"), 4096, Gather.LAYER, 1)]
+    oom = [fullstep_point("sdpa", gather=Gather.LAYER, context=65536)]
     save_run(tmp_path / "storage", 1, [fullstep("sdpa", 6.53, **figures),
                                        fullstep("flash", 7.03, "none", Gather.LAYER)], oom)
     code, out = report(tmp_path)

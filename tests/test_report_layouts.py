@@ -9,6 +9,7 @@ from systems.bench.schema import LAYOUT_BUCKET_MB, AxisComm, LayoutMeasured, Lay
 from systems.model import get_config
 from systems.levers.layout import Layout
 from systems.levers.variant import Variant
+from systems.parallel.spec import TrainSpec
 from systems.precision import PRECISIONS
 from test_report import columns_and_rows, report
 
@@ -16,8 +17,14 @@ BF16 = PRECISIONS["bf16"]
 SINGLE = phases(0.3, forward=0.1, backward=0.17, optimizer=0.03)
 
 
+def layout_point(variant: Variant, grid: Layout, context: int = 64) -> LayoutPoint:
+    """A point of bench_layouts' grid: the tiny model over `grid`, which the meshed variants' spec holds."""
+    return LayoutPoint(TrainSpec(preset="tiny", variant=variant, layout=grid if variant.meshed else None,
+                                 precision=BF16, batch_size=4, context=context, bucket_size_mb=LAYOUT_BUCKET_MB), grid)
+
+
 def layout(variant: Variant, grid: Layout, step: float, axes: dict[str, AxisComm], context: int = 64) -> dict:
-    point = LayoutPoint(variant, grid, "tiny", "2025", BF16, 4, context)
+    point = layout_point(variant, grid, context)
     timed = SINGLE if variant == Variant.SINGLE else phases(step, comm_wait=0.004, gather_wait=0.002)
     measured = LayoutMeasured(backend="nccl", phases=timed, tokens_per_s=1e4, throughput=rate(100.0),
                               memory_mb=None, config=config("tiny", context), axes=axes)
@@ -33,7 +40,7 @@ BENCHMARKS = [layout(Variant.TORCH_HSDP, Layout(2, 2), 0.36, {"shard": AxisComm.
               layout(Variant.FSDP, Layout(shard=4), 0.35, {"shard": FSDP_SHARD}),
               layout(Variant.BUCKETED, Layout(replicate=4), 0.45, {"replicate": AxisComm.of(4, 60 * 2**20, 0.0005)}),
               layout(Variant.SINGLE, Layout(), 0.3, {})]
-OOM = [LayoutPoint(Variant.HSDP, Layout(2, 2), "tiny", "2025", BF16, 4, 4096)]
+OOM = [layout_point(Variant.HSDP, Layout(2, 2), 4096)]
 
 
 @pytest.fixture(scope="module")

@@ -31,13 +31,14 @@ from spawned_ranks import results_by_rank
 from systems.levers.layout import Layout
 from systems.levers.variant import Variant
 from systems.parallel.parallelize import full_parameters
-from systems.parallel.spec import TrainSpec
+from systems.parallel.spec import Schedule, TrainSpec
 from systems.parallel.train import train
 from systems.precision import PRECISIONS
 from systems.step import make_model
 
-BASE = TrainSpec(preset="tiny", variant="fsdp", precision="fp32", batch_size=2, context=12, warmup=0, steps=3,
-                 lr=1e-2, fsdp_gather="layer")
+BASE = TrainSpec(preset="tiny", variant="fsdp", precision="fp32", batch_size=2, context=12, lr=1e-2,
+                 fsdp_gather="layer")
+SCHEDULE = Schedule(warmup=0, steps=3)
 SPECS = {"fsdp-1x4": BASE,
          "hsdp-2x2": dataclasses.replace(BASE, variant="hsdp", layout="2x2", fsdp_gather="block"),
          "hsdp-4x1": dataclasses.replace(BASE, variant="hsdp", layout="4x1"),
@@ -80,16 +81,16 @@ def replayed_axes(model, step) -> dict:
 
 
 def train_every_spec() -> dict:
-    results = {name: train(spec, trained_parameters) for name, spec in SPECS.items()}
-    results["axes"] = train(AXIS_SPEC, replayed_axes)
+    results = {name: train(spec, SCHEDULE, trained_parameters) for name, spec in SPECS.items()}
+    results["axes"] = train(AXIS_SPEC, SCHEDULE, replayed_axes)
     try:
-        train(dataclasses.replace(BASE, variant="hsdp", layout="2x3"))
+        train(dataclasses.replace(BASE, variant="hsdp", layout="2x3"), SCHEDULE)
     except ValueError as error:  # raised on every rank before any collective: the group stays usable
         results["mismatch"] = str(error)
     if dist.get_rank() == 0:
         for name, spec in SPECS.items():
             layout = spec.layout_for(WORLD_SIZE)
-            results[name]["reference"] = train_one_process(spec, layout, torch.device("cpu"))
+            results[name]["reference"] = train_one_process(spec, SCHEDULE, layout, torch.device("cpu"))
     return results
 
 

@@ -39,15 +39,15 @@ from systems.levers.variant import Variant
 from systems.parallel.__main__ import parse_args
 from systems.parallel.fsdp import FSDP
 from systems.parallel.parallelize import full_parameters
-from systems.parallel.spec import TrainSpec
+from systems.parallel.spec import Schedule, TrainSpec
 from systems.parallel.train import Rank, train
 
-BASE = TrainSpec(preset="tiny", variant="tp", precision="fp32", batch_size=2, context=12, warmup=0, steps=3, lr=1e-2,
-                 fsdp_gather="layer")
+BASE = TrainSpec(preset="tiny", variant="tp", precision="fp32", batch_size=2, context=12, lr=1e-2, fsdp_gather="layer")
+SCHEDULE = Schedule(warmup=0, steps=3)
 CONFIG = BASE.config()
 U = 2.0**-24
 DELTA = 16 * 2 * 2 * CONFIG.d_ff * U  # see the module's docstring
-BOUND = BASE.steps * 2 * DELTA * BASE.lr
+BOUND = SCHEDULE.steps * 2 * DELTA * BASE.lr
 MAX_BEYOND = 1000
 # Per world size, the runs: ours and torch's, alone and under FSDP, and a bug.
 SPECS = {2: {"tp": BASE, "torch-tp": dataclasses.replace(BASE, variant="torch-tp"), "rows-of-each-rank": BASE},
@@ -85,11 +85,11 @@ def train_every_spec() -> dict:
     results = {}
     for name, spec in specs.items():
         with BUGS.get(name, contextlib.nullcontext)():
-            results[name] = train(spec, trained_parameters)
+            results[name] = train(spec, SCHEDULE, trained_parameters)
     if dist.get_rank() == 0:
         for name, spec in specs.items():
             if name not in BUGS:
-                results[name]["reference"] = train_one_process(spec, spec.layout_for(dist.get_world_size()),
+                results[name]["reference"] = train_one_process(spec, SCHEDULE, spec.layout_for(dist.get_world_size()),
                                                                torch.device("cpu"))
     return results
 
@@ -162,7 +162,7 @@ def test_tensor_parallel_ranks_share_rows_and_data_ranks_split_the_batch():
     (["--variant", "fsdp-tp", "--layout", "1x2x2"], Variant.FSDP_TP, Layout(shard=2, tensor=2)),
     (["--variant", "torch-fsdp-tp", "--layout", "2x1x2"], Variant.TORCH_FSDP_TP, Layout(replicate=2, tensor=2))])
 def test_torchrun_takes_tensor_parallel_variants_and_layouts(flags, variant, layout):
-    launch, spec = parse_args(["--backend", "gloo", *flags])
+    launch, spec, schedule = parse_args(["--backend", "gloo", *flags])
     assert (spec.variant, spec.layout) == (variant, layout)
 
 

@@ -8,8 +8,9 @@ that changed from run to run. This is the one place that still reads them: each 
 its measured dataclass, stored whole, under the new test id of its point; its out-of-memory points likewise;
 fields an old run did not record are what it ran with (the grid's default, or its sibling points' value), or
 None where the schema says a figure may be absent. A history at schema 2 or later gains the fields its points'
-kinds have had since (`LATER_FIELDS`: what every run before them ran with); its ids stand. A history already at
-the schema is left alone. The report reads only the schema; for an older file it names this command.
+kinds have had since (`LATER_FIELDS`: what every run before them ran with); its ids stand. A training point of
+schema 4 or before becomes the TrainSpec it ran (`trained_spec`). A history already at the schema is left alone.
+The report reads only the schema; for an older file it names this command.
 """
 
 from __future__ import annotations
@@ -25,7 +26,9 @@ from systems.bench.schema import (ATTENTION_SWEEPS, MEASURED, POINT, SCHEMA, All
                                   CheckpointMeasured, ContextSearchMeasured, DDPMeasured, FSDPMeasured,
                                   FullStepMeasured, ModelMeasured, OptimizerMeasured, Phases, Throughput,
                                   WarmupMeasured, from_record, read_point, to_record)
+from systems.levers.variant import Variant
 from systems.model import get_config
+from systems.parallel.spec import TrainSpec
 
 EDITION = "2025"  # every history before the schema named the 2025 edition's presets
 # Point fields added after schema 2, by the schema that added them and kind, with what every run before them ran
@@ -33,6 +36,14 @@ EDITION = "2025"  # every history before the schema named the 2025 edition's pre
 EAGER = {"fused": "none", "compile": False}
 LATER_FIELDS = {3: {"fullstep": EAGER, "checkpoint": EAGER}, 4: {"leaderboard": EAGER}}
 DEFAULT_BATCH, DEFAULT_ATTENTION = 4, "sdpa"  # the grid's defaults then, where a run did not record its own
+# Until schema 5 a training point named its shape and the levers its kind varies; its run took the rest from
+# TrainSpec's defaults then, and the kind's bucket sizes: DDPBucketed under the sharded optimizers, beside FSDP, and
+# in the layouts.
+TRAINED_WITH = {"bucket_size_mb": 25.0, "optimizer": "adamw", "lr": 1e-3, "seed": 0, "checkpoint": "none",
+                "loss_chunk": None, "attention": "sdpa", "fused": "none", "compile": False, "fsdp_prefetch": 1,
+                "fsdp_gather": "block", "layout": None}
+SHARDED_BUCKET_MB, FSDP_DDP_BUCKET_MB, LAYOUT_BUCKET_MB = 25.0, 100.0, 25.0
+TRAINING_KINDS = ("ddp", "optimizer", "fsdp", "fullstep", "layout")
 KIND_OF_TEST = {"test_model": "model", "test_warmup_study": "warmup", "test_handout_sweep": "attention",
                 "test_flash_sweep": "attention", "test_leaderboard": "attention",
                 "test_leaderboard_after_a_second_shape": "attention", "test_allreduce": "allreduce",
@@ -64,9 +75,10 @@ def later_fields(kind: str, since: int) -> dict:
 
 
 def _from_schema(history: dict, since: int) -> dict:
-    """Points of schema `since` (2 or later) with the fields added after it, as they ran."""
+    """Points of schema `since` (2 or later) with the fields added after it, as they ran, and training points as
+    the TrainSpec they ran."""
     def complete(point: dict) -> dict:
-        return {**point, **later_fields(point["kind"], since)}
+        return trained_spec({**point, **later_fields(point["kind"], since)})
 
     benchmarks = [{**bench, "extra_info": {**bench["extra_info"], POINT: complete(bench["extra_info"][POINT])}}
                   if POINT in (bench.get("extra_info") or {}) else bench for bench in history["benchmarks"]]
@@ -96,7 +108,8 @@ def _benchmark(bench: dict, siblings: dict) -> dict:
     kind = KIND_OF_TEST[test]
     info = dict(bench.get("extra_info") or {})
     old = info.pop(POINT, None)
-    point = read_point(_point(kind, test, old or {**(bench.get("params") or {}), **info}, bench["name"], siblings))
+    point = read_point(trained_spec(_point(kind, test, old or {**(bench.get("params") or {}), **info}, bench["name"],
+                                           siblings)))
     measured = MEASURED_OF[kind](info, point)
     if not isinstance(measured, point.measured):
         raise TypeError(f"{bench['name']}: {type(measured).__name__} for a {kind} point")
@@ -109,8 +122,8 @@ def _benchmark(bench: dict, siblings: dict) -> dict:
 def _out_of_memory(entry: dict, siblings: dict) -> dict:
     test = entry["name"].split("[")[0]
     kind = KIND_OF_TEST[test]
-    point = read_point(_point(kind, test, entry.get(POINT) or _from_id(kind, entry["name"]), entry["name"],
-                              siblings))
+    point = read_point(trained_spec(_point(kind, test, entry.get(POINT) or _from_id(kind, entry["name"]),
+                                           entry["name"], siblings)))
     module, _ = entry["fullname"].split("::")
     name = f"{test}[{point}]"
     return {"name": name, "fullname": f"{module}::{name}", "error": entry["error"], POINT: point.to_record()}
@@ -177,11 +190,34 @@ def _point(kind: str, test: str, old: dict, name: str, siblings: dict) -> dict:
             **later_fields(kind, 2)}
 
 
-def _config(point, **levers) -> dict:
-    fields = {"context_length": point.context} | levers
-    if hasattr(point, "attention"):
-        fields["attention"] = point.attention
-    return to_record(get_config(point.preset, point.edition, **fields))
+def trained_spec(point: dict) -> dict:
+    """A training point's record of schema 4 or before (its shape and its kind's levers) as the schema's: the
+    TrainSpec it ran, and its ranks (a layout point's layout); any other point's as it is."""
+    kind = point["kind"]
+    if kind not in TRAINING_KINDS:
+        return point
+    variant = point.get("variant", "bucketed")  # the sharded optimizers' points ran under DDPBucketed
+    levers = {"preset": point["preset"], "edition": point["edition"], "precision": point["precision"],
+              "batch_size": point["batch"], "context": point["context"], "variant": variant}
+    if kind == "ddp":
+        levers["bucket_size_mb"] = point["bucket_size_mb"]
+    elif kind == "optimizer":
+        levers |= {"bucket_size_mb": SHARDED_BUCKET_MB, "optimizer": point["optimizer"]}
+    elif kind == "layout":
+        levers |= {"bucket_size_mb": LAYOUT_BUCKET_MB, "layout": point["layout"] if Variant(variant).meshed else None}
+    if kind == "fsdp" and variant == "bucketed":
+        levers["bucket_size_mb"] = FSDP_DDP_BUCKET_MB
+    if kind == "fullstep":
+        levers |= {key: point[key] for key in ("attention", "checkpoint", "loss_chunk", "fused", "compile")}
+    if kind in ("fsdp", "fullstep") and variant == "fsdp":
+        levers |= {"fsdp_gather": point["gather"], "fsdp_prefetch": point["prefetch"]}
+    spec = to_record(from_record(TrainSpec, TRAINED_WITH | levers, f"{kind} point's spec"))
+    ranks = {"layout": point["layout"]} if kind == "layout" else {"world_size": point["world_size"]}
+    return {"kind": kind, "spec": spec, **ranks}
+
+
+def _config(point) -> dict:
+    return to_record(get_config(point.preset, point.edition, context_length=point.context, attention=point.attention))
 
 
 def _throughput(info: dict) -> Throughput | None:
@@ -202,9 +238,11 @@ def _phases(info: dict) -> Phases:
 
 
 def _training(info: dict, point) -> dict:
-    levers = {"loss_chunk": point.loss_chunk} if point.kind == "fullstep" else {}
+    spec = point.spec
+    levers = {"loss_chunk": spec.loss_chunk, "attention": spec.attention} if point.kind == "fullstep" else {}
+    config = get_config(spec.preset, spec.edition, context_length=spec.context, **levers)
     return dict(backend=info["backend"], phases=_phases(info), tokens_per_s=info["tokens_per_s"],
-                throughput=_throughput(info), memory_mb=_memory(info), config=_config(point, **levers))
+                throughput=_throughput(info), memory_mb=_memory(info), config=to_record(config))
 
 
 def _breakdowns(info: dict) -> list | None:

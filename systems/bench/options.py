@@ -1,5 +1,6 @@
 """The benchmark grids' command-line options: each parsed by its lever's one parser (a training run's levers by
-TrainSpec's, as torchrun's command line), checked at start-up, and handed to the benches as one typed `Grid`.
+TrainSpec's and Schedule's, `lever_parser`, as torchrun's command line), checked at start-up, and handed to the
+benches as one typed `Grid`.
 
 A bad value is argparse's usage error naming the option (`--precisions: unknown precision 'fp8'; choose
 from ...`); a combination that selects nothing is caught here or, for what only a bench knows, where the bench
@@ -22,7 +23,7 @@ from systems.levers.spelling import as_option_type, name, one_of, positive
 from systems.levers.variant import Variant
 from systems.model import DEFAULT_EDITION, EDITIONS
 from systems.parallel.ranks import GROUP_BACKENDS
-from systems.parallel.spec import TrainSpec
+from systems.parallel.spec import lever_parser
 from systems.parallel.swiglu import FFNLayout
 from systems.precision import DTYPES, Precision, get_precision
 from systems.recompute import Saves
@@ -43,10 +44,6 @@ def _world_variant(text: str) -> Variant:
         raise ValueError(f"{variant} takes a layout: " + ("bench_fullstep shares the step over every rank"
                                                          if variant.tensor_parallel else "bench_layouts runs it"))
     return variant
-
-
-# The levers a training run has: parsed by TrainSpec's own parsers, as torchrun's command line parses them.
-lever_parser = TrainSpec.parser
 
 
 def _list(parse: Callable[[str], object], empty: bool = False) -> Callable[[str], list]:

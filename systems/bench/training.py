@@ -1,6 +1,6 @@
-"""What the rank-timed training benches share (bench_ddp, bench_fsdp, bench_fullstep): a TrainSpec from the grid,
-`systems.parallel.train.train` run in spawned ranks with its step times handed to pytest-benchmark, and the
-measurements every such point records.
+"""What the rank-timed training benches share (bench_ddp, bench_fsdp, bench_fullstep, bench_layouts): a point's
+TrainSpec trained by `systems.parallel.train.train` in spawned ranks for the grid's Schedule, with its step times
+handed to pytest-benchmark, and the measurements every such point records.
 
 The steps run in spawned ranks, out of reach of pytest-benchmark's timer, and are timed there (CUDA events on
 the compute stream on a GPU, the wall clock on a CPU). pytest-benchmark's rounds are the timed steps, each as
@@ -20,7 +20,7 @@ from systems.bench.leases import on_gpus
 from systems.bench.schema import Phases, Point
 from systems.bench.schema.records import to_record
 from systems.bench.timing import record_timings, throughput
-from systems.parallel.spec import TrainSpec
+from systems.parallel.spec import Schedule, TrainSpec
 from systems.parallel.train import train
 
 BACKEND = "nccl" if torch.cuda.is_available() else "gloo"
@@ -31,9 +31,16 @@ def on_rank_gpus(points: list[Point]) -> list:
     return [on_gpus(point, point.world_size if BACKEND == "nccl" else 0) for point in points]
 
 
-def train_in_ranks(benchmark, rank_pools, world_size: int, spec: TrainSpec, after_training=None) -> list[dict]:
-    """systems.parallel.train.train(spec, after_training) on every rank, its step times given to pytest-benchmark."""
-    ranks = rank_pools.run(world_size, BACKEND, train, spec, after_training)
+def schedule_of(grid) -> Schedule:
+    """How long the grid times a run: --warmup-steps untimed steps, then --rounds timed ones."""
+    return Schedule(warmup=grid.warmup_steps, steps=grid.rounds)
+
+
+def train_in_ranks(benchmark, rank_pools, world_size: int, spec: TrainSpec, schedule: Schedule,
+                   after_training=None) -> list[dict]:
+    """systems.parallel.train.train(spec, schedule, after_training) on every rank, its step times given to
+    pytest-benchmark."""
+    ranks = rank_pools.run(world_size, BACKEND, train, spec, schedule, after_training)
     record_timings(benchmark, [rank["seconds"]["step"] for rank in ranks])
     return ranks
 

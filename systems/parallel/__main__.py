@@ -1,11 +1,12 @@
-"""The torchrun entry point: `train(spec)` on every rank of an env:// process group; rank 0 prints the result.
+"""The torchrun entry point: `train(spec, schedule)` on every rank of an env:// process group; rank 0 prints the result.
 
     NCCL_NVLS_ENABLE=0 torchrun --standalone --nproc-per-node 2 -m systems.parallel \\
         --preset small --variant bucketed --bucket-size-mb 25 --steps 10
 
-One option per TrainSpec field (`--bucket-size-mb` for bucket_size_mb), each parsed with its lever's one parser;
-beside them `--backend`, `--timeout` and `--save-params FILE` say how the ranks run. On several nodes, one torchrun
-per node with the same c10d rendezvous endpoint (docs/multinode.md). docs/design-notes.md has the options' details.
+One option per field of TrainSpec and Schedule (`--bucket-size-mb` for bucket_size_mb, `--steps`), each parsed
+with its lever's one parser; beside them `--backend`, `--timeout` and `--save-params FILE` say how the ranks run.
+On several nodes, one torchrun per node with the same c10d rendezvous endpoint (docs/multinode.md).
+docs/design-notes.md has the options' details.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from systems.levers.spelling import as_option_type
 from systems.parallel.parallelize import full_parameters
 from systems.parallel.ranks import GROUP_BACKENDS, init_from_env
-from systems.parallel.spec import TrainSpec
+from systems.parallel.spec import Schedule, TrainSpec
 from systems.parallel.train import train
 
 PROG = "python -m systems.parallel"
@@ -41,14 +42,14 @@ class Launch:
 
 
 def main(argv: list[str] | None = None) -> None:
-    launch, spec = parse_args(argv)
+    launch, spec, schedule = parse_args(argv)
     try:
         init_from_env(launch.backend, launch.timeout)
         rank = dist.get_rank()
         if rank == 0:
             print(f"{PROG}: {dist.get_world_size()} ranks on {os.environ.get('GROUP_WORLD_SIZE', '1')} node(s), "
                   f"{spec.variant} over {spec.layout_for(dist.get_world_size())}", flush=True)
-        result = train(spec, _trained_parameters if launch.save_params else None)
+        result = train(spec, schedule, _trained_parameters if launch.save_params else None)
         # No rank tears the group down while another still talks to it: gloo can abort a rank whose peer
         # closed their connection under it.
         dist.barrier()
@@ -77,25 +78,27 @@ def _trained_parameters(model, step) -> dict:
     return {"params": full_parameters(model)}
 
 
-def parse_args(argv: list[str] | None) -> tuple[Launch, TrainSpec]:
-    """How the ranks run and a TrainSpec; a bad lever is argparse's usage error, naming the option."""
+def parse_args(argv: list[str] | None) -> tuple[Launch, TrainSpec, Schedule]:
+    """How the ranks run, a TrainSpec and its Schedule; a bad lever is argparse's usage error, naming the option."""
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=GROUP_BACKENDS, default="nccl" if torch.cuda.is_available() else "gloo")
     parser.add_argument("--timeout", type=float, default=600.0,
                         help="seconds a collective may wait (rendezvous included) before it fails the rank")
     parser.add_argument("--save-params", default=None, help="rank 0 saves the trained parameters here")
-    for field in dataclasses.fields(TrainSpec):
-        parser.add_argument(f"--{field.name.replace('_', '-')}", type=as_option_type(field.metadata["parse"]),
-                            default=field.default, help=field.metadata["help"])
+    for levers in (TrainSpec, Schedule):
+        for field in dataclasses.fields(levers):
+            parser.add_argument(f"--{field.name.replace('_', '-')}", type=as_option_type(field.metadata["parse"]),
+                                default=field.default, help=field.metadata["help"])
     args = vars(parser.parse_args(argv))
     launch = Launch(*(args.pop(name) for name in ("backend", "timeout", "save_params")))
     if not launch.timeout > 0:
         parser.error(f"--timeout must be positive, got {launch.timeout}")
     try:
+        schedule = Schedule(**{field.name: args.pop(field.name) for field in dataclasses.fields(Schedule)})
         spec = TrainSpec(**args)
     except ValueError as exc:
         parser.error(str(exc))
-    return launch, spec.resolved("cuda" if launch.backend == "nccl" else "cpu")
+    return launch, spec.resolved("cuda" if launch.backend == "nccl" else "cpu"), schedule
 
 
 def print_result(result: dict) -> None:

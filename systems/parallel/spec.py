@@ -1,10 +1,13 @@
-"""What a parallel training run is: `TrainSpec`, every lever of it typed and checked once.
+"""What a parallel training run is: `TrainSpec`, every lever of what it trains typed and checked once, and apart from
+it `Schedule`, how long the run is timed: a training benchmark's point holds the spec it trains, which says nothing
+of the steps a run of it timed.
 
-Each field names its lever's one text parser and help (`lever`): torchrun's command line (systems.parallel's
-`--bucket-size-mb`) and the benchmarks' options are made from them, and TrainSpec given text parses it with the
-same function. Nested checkpointing's levels are worked out once, where a run starts (`resolved`); `config` is
-then the model the run trains, without a search. Whether a layout fits the process group is checked where the
-group exists (`layout_for`). It imports nothing of torch.distributed, so reading a history does not.
+Each field names its lever's one text parser and help (`lever`; `lever_parser` finds it by name): torchrun's command
+line (systems.parallel's `--bucket-size-mb`) and the benchmarks' options are made from them, and TrainSpec given
+text parses it with the same function. Nested checkpointing's levels are worked out once, where a run starts
+(`resolved`); `config` is then the model the run trains, without a search. Whether a layout fits the process group
+is checked where the group exists (`layout_for`). It imports nothing of torch.distributed, so reading a history
+does not.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ def check_layout(variant: Variant, layout: Layout) -> None:
 
 
 def lever(default, parse: Callable[[str], object], help: str):
-    """A TrainSpec field: its default, the one parser of its text and what it means."""
+    """A field of TrainSpec or Schedule: its default, the one parser of its text and what it means."""
     return dataclasses.field(default=default, metadata={"parse": parse, "help": help})
 
 
@@ -54,8 +57,6 @@ class TrainSpec:
     batch_size: int = lever(4, spelling.positive(int), "sequences per step, per data-parallel rank (the ranks of a "
                             "tensor-parallel group share theirs)")
     context: int = lever(128, spelling.positive(int), "tokens per sequence")
-    warmup: int = lever(2, spelling.at_least_zero, "untimed steps first")
-    steps: int = lever(5, spelling.positive(int), "timed steps, after the warm-up")
     lr: float = lever(1e-3, spelling.positive(float), "learning rate")
     seed: int = lever(0, spelling.integer, "seed of rank 0's weights and every rank's batches")
     checkpoint: Checkpointing = lever(Checkpointing(()), Checkpointing.parse,
@@ -95,14 +96,9 @@ class TrainSpec:
         check_prefetch(self.fsdp_prefetch)
         if self.loss_chunk is not None:
             check_chunk(self.loss_chunk)
-        if min(self.batch_size, self.context, self.steps) < 1 or self.warmup < 0:
-            raise ValueError("batch_size, context and steps must be positive and warmup non-negative")
+        if min(self.batch_size, self.context) < 1:
+            raise ValueError("batch_size and context must be positive")
         self.checkpoint.configure(self._levered_config())  # a known preset, and levers that go together
-
-    @classmethod
-    def parser(cls, name: str) -> Callable[[str], object]:
-        """The one parser of lever `name`'s text."""
-        return next(field for field in dataclasses.fields(cls) if field.name == name).metadata["parse"]
 
     def layout_for(self, world_size: int) -> Layout:
         """This run's layout on a process group of `world_size` ranks, which must be as many as it has."""
@@ -132,3 +128,21 @@ class TrainSpec:
         """The preset with this run's levers but not yet its checkpointing."""
         return get_config(self.preset, self.edition, context_length=self.context, loss_chunk=self.loss_chunk,
                           attention=self.attention, fused=self.fused, compile=self.compile)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """How long a run is timed: `warmup` untimed steps, then `steps` timed ones."""
+
+    warmup: int = lever(2, spelling.at_least_zero, "untimed steps first")
+    steps: int = lever(5, spelling.positive(int), "timed steps, after the warm-up")
+
+    def __post_init__(self):
+        if self.steps < 1 or self.warmup < 0:
+            raise ValueError(f"steps must be positive and warmup non-negative, got {self.steps} and {self.warmup}")
+
+
+def lever_parser(name: str) -> Callable[[str], object]:
+    """The one parser of lever `name`'s text: a field of TrainSpec or of Schedule."""
+    return next(field.metadata["parse"] for cls in (TrainSpec, Schedule) for field in dataclasses.fields(cls)
+                if field.name == name)

@@ -1,8 +1,8 @@
 """The parallel training loop, every step split into its phases.
 
-`train(spec)` runs on each rank of a process group (or alone, as the single-process baseline): each rank takes
-its data-parallel rank's slice of one global batch (the ranks of a tensor-parallel group take the same rows),
-builds the model, wraps it with `parallelize(model, spec)` and times each step
+`train(spec, schedule)` runs on each rank of a process group (or alone, as the single-process baseline): each rank
+takes its data-parallel rank's slice of one global batch (the ranks of a tensor-parallel group take the same rows),
+builds the model, wraps it with `parallelize(model, spec)` and times each step after the schedule's warm-up
 as forward, backward, waiting for gradient communication and optimizer step. The benchmarks run it through
 `systems.parallel.ranks`; torchrun runs it through `python -m systems.parallel` (systems/parallel/__main__.py).
 
@@ -30,7 +30,7 @@ from systems.parallel.fsdp import FSDP
 from systems.parallel.meters import PeakMeter, PhaseClock
 from systems.parallel.parallelize import parallelize
 from systems.parallel.ranks import rank_device
-from systems.parallel.spec import TrainSpec
+from systems.parallel.spec import Schedule, TrainSpec
 from systems.precision import Precision
 from systems.step import backward, forward_loss, make_model, optimizer_step, random_batch
 
@@ -88,9 +88,10 @@ class Rank:
         return values
 
 
-def train(spec: TrainSpec, after_training: Callable[..., dict] | None = None) -> dict:
-    """Train on this rank as `spec.variant` shares the step (or alone without a process group); return its
-    measurements.
+def train(spec: TrainSpec, schedule: Schedule = Schedule(),
+          after_training: Callable[..., dict] | None = None) -> dict:
+    """Train on this rank as `spec.variant` shares the step (or alone without a process group), `schedule.warmup`
+    untimed steps then `schedule.steps` timed ones; return its measurements.
 
     Returns per-step losses averaged over the data-parallel ranks (warm-up steps included), per-phase seconds of
     each timed step, this rank's optimizer-state bytes and, on a GPU, peak memory in MiB: during construction, and
@@ -106,16 +107,16 @@ def train(spec: TrainSpec, after_training: Callable[..., dict] | None = None) ->
     optimizer = build_optimizer(model, spec)
     memory.mark("construction")
     losses, clocks = [], []
-    for tokens, targets in rank_batches(config, spec, rank):
+    for tokens, targets in rank_batches(config, spec, schedule, rank):
         loss, clock = timed_step(model, optimizer, tokens, targets, precision, memory)
         losses.append(loss)
         clocks.append(clock)
     result = {"losses": rank.mean(torch.stack(losses).float()).tolist(),
-              "seconds": phase_seconds(clocks[spec.warmup:]), "state_bytes": optimizer_state_bytes(optimizer)}
+              "seconds": phase_seconds(clocks[schedule.warmup:]), "state_bytes": optimizer_state_bytes(optimizer)}
     if rank.device.type == "cuda":
         result["memory_mb"] = memory.mb
     if isinstance(model, FSDP):
-        result["seconds"]["gather_wait"] = model.gather_wait.seconds()[spec.warmup:]
+        result["seconds"]["gather_wait"] = model.gather_wait.seconds()[schedule.warmup:]
         result["peak_gathered_bytes"] = model.gathered.peak
     if after_training is not None:
         result |= after_training(model, lambda: timed_step(model, optimizer, tokens, targets, precision, memory))
@@ -141,12 +142,13 @@ def build_optimizer(model: nn.Module, spec: TrainSpec) -> torch.optim.Optimizer:
     return AdamW(model.parameters(), lr=spec.lr)
 
 
-def rank_batches(config: TransformerConfig, spec: TrainSpec, rank: Rank) -> Iterator[tuple[torch.Tensor, ...]]:
-    """This rank's rows of every global batch, warm-up steps included: (tokens, targets), each (batch_size, context).
-    A global batch has batch_size rows per data-parallel rank."""
+def rank_batches(config: TransformerConfig, spec: TrainSpec, schedule: Schedule,
+                 rank: Rank) -> Iterator[tuple[torch.Tensor, ...]]:
+    """This rank's rows of every global batch of the schedule, warm-up steps included: (tokens, targets), each
+    (batch_size, context). A global batch has batch_size rows per data-parallel rank."""
     data = torch.Generator().manual_seed(spec.seed)  # one stream of global batches, the same on every rank
     mine = rank.rows(spec.batch_size)
-    for _ in range(spec.warmup + spec.steps):
+    for _ in range(schedule.warmup + schedule.steps):
         tokens, targets = random_batch(config, spec.batch_size * rank.data_size, spec.context, rank.device, data)
         yield tokens[mine], targets[mine]
 

@@ -12,7 +12,7 @@ from systems.report.runs import Run
 # The kinds split the GPU activity by kernel; exposed communication is the part of it no compute overlaps.
 KINDS = ("matmul", "attention_forward", "attention_backward", "communication", "communication_exposed", "other")
 RANGES = ("optimizer", "loss", "recompute")  # cut across the kinds: a recomputed matmul counts in both
-POINT_KEYS = [*FULLSTEP_KEYS, "prefetch"]  # a full step's fields, and FSDP's prefetch depth, which it leaves at 1
+POINT_KEYS = [*FULLSTEP_KEYS, "fsdp_prefetch"]  # a full step's fields, and FSDP's prefetch depth, which it leaves at 1
 
 
 def breakdown_tables(run: Run) -> list[Table]:

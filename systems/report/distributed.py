@@ -4,16 +4,16 @@ memory."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from systems.accounting import BucketedAllReduce, count_parameters, fit_bucketed_allreduce, flops
 from systems.bench.predictions import predicted_peak_mb
-from systems.bench.schema import DDP_VARIANTS, FSDP_VARIANTS, Phases, Point
+from systems.bench.schema import DDP_VARIANTS, FSDP_VARIANTS, Phases, TrainingPoint
+from systems.bench.schema.distributed import SHAPE
 from systems.levers.checkpointing import Checkpointing
 from systems.levers.variant import Variant
 from systems.model import get_config
-from systems.report.markdown import BATCH, Table, batch_sizes, fields_of, mib, ms, number, order, sorted_by
+from systems.report.markdown import BATCH, Table, fields_of, mib, ms, number, order, sorted_by
 from systems.report.runs import OutOfMemory, Result, Run
 
 PHASES = ("step", "forward", "backward", "comm_wait", "optimizer")
@@ -45,17 +45,22 @@ def allreduce_tables(run: Run) -> list[Table]:
     return [table]
 
 
-def sorted_by_point(results: list[Result], keys: list[str], variants: tuple[Variant, ...]) -> list[Result]:
+def sorted_by_point(results: list[Result], keys: list[str], variants: tuple[Variant, ...] = ()) -> list[Result]:
     """Sorted by `keys`, the variants in their table order (baselines first), others after them by name."""
     rank = {variant: i for i, variant in enumerate(variants)}
     return sorted(results, key=lambda r: tuple(order(rank.get(value, value) if key == "variant" else value)
                                                for key, value in zip(keys, point_values(r.point, keys))))
 
 
-def point_values(point: Point, keys: list[str]) -> list:
-    """The point's values of `keys`; None for a field its kind has not (our FSDP's levers in a DDP step)."""
-    fields = {field.name for field in dataclasses.fields(point)}
-    return [getattr(point, key) if key in fields else None for key in keys]
+def point_values(point: TrainingPoint, keys: list[str]) -> list:
+    """A training point's values of `keys`: its ranks, or its spec's fields its id names (TrainingPoint.shows);
+    None for the others (a lever its kind does not vary, our FSDP's beside the other variants)."""
+    return [point.world_size if key == "world_size" else getattr(point.spec, key) if point.shows(key) else None
+            for key in keys]
+
+
+def training_batches(results: list[Result]) -> set[int]:
+    return {r.point.spec.batch_size for r in results}
 
 
 def _training_steps(run: Run, kind: str, keys: list[str],
@@ -70,10 +75,13 @@ def phase_cells(phases: Phases, names: tuple[str, ...] = PHASES) -> list[str]:
 
 def baseline(run: Run, result: Result, variant: Variant, world_size: int) -> Result | None:
     """The same run's `variant` at the result's shape on `world_size` ranks (None if absent, or the result's own)."""
-    shape = ("preset", "edition", "precision", "context", "batch")
-    others = [other for other in run.select(result.point.kind, variant=variant, world_size=world_size)
-              if fields_of(other.point, shape) == fields_of(result.point, shape)]
-    return None if not others or result.point.variant == variant else others[0]
+    others = [other for other in run.select(result.point.kind, world_size=world_size)
+              if other.point.spec.variant == variant and shape_of(other.point) == shape_of(result.point)]
+    return None if not others or result.point.spec.variant == variant else others[0]
+
+
+def shape_of(point: TrainingPoint) -> tuple:
+    return tuple(getattr(point.spec, key) for key in SHAPE)
 
 
 def vs(result: Result, other: Result | None) -> float | None:
@@ -90,17 +98,17 @@ def ddp_tables(run: Run) -> list[Table]:
                          "medians)",
                   ["precision", "context", "ranks", "variant", "bucket MiB", "step", "forward", "backward",
                    "comm wait", "optimizer", "comm share", "vs single", "vs torch DDP", "TFLOP/s per GPU"],
-                  batches=batch_sizes(results))
+                  batches=training_batches(results))
     for r in results:
         single, torch = baseline(run, r, Variant.SINGLE, 1), baseline(run, r, Variant.TORCH, r.point.world_size)
-        steps.add([number(k) for k in fields_of(r.point, keys)] + phase_cells(r.measured.phases)
+        steps.add([number(k) for k in point_values(r.point, keys)] + phase_cells(r.measured.phases)
                   + [f"{r.measured.comm_share:.1%}"]
                   + [number(v) for v in (vs(r, single), vs(r, torch), r.measured.throughput.tflops)],
                   r, *filter(None, (single, torch)))
     for entry in oom:
-        steps.add([number(k) for k in fields_of(entry.point, keys)] + ["OOM"] + [""] * 8, entry)
+        steps.add([number(k) for k in point_values(entry.point, keys)] + ["OOM"] + [""] * 8, entry)
 
-    bucketed = [r for r in results if r.point.variant == Variant.BUCKETED]
+    bucketed = [r for r in results if r.point.spec.variant == Variant.BUCKETED]
     if not bucketed:
         return [steps]
     sweep = Table("ddp_buckets", "DDPBucketed bucket-size sweep (ms), beside the bucket model of "
@@ -113,11 +121,11 @@ def ddp_tables(run: Run) -> list[Table]:
         model, inputs = _bucket_model(run, r)
         predicted, best = "", ""
         if model is not None:
-            buckets = max(1, math.ceil(model.param_bytes / (r.point.bucket_size_mb * 2**20)))
+            buckets = max(1, math.ceil(model.param_bytes / (r.point.spec.bucket_size_mb * 2**20)))
             predicted = ms(model.overhead(buckets))
             if model.latency > 0:  # without a latency the model wants ever smaller buckets
                 best = number(model.optimal_bucket_bytes() / 2**20)
-        sweep.add([number(k) for k in fields_of(r.point, ["precision", "context", "world_size", "bucket_size_mb"])]
+        sweep.add([number(k) for k in point_values(r.point, ["precision", "context", "world_size", "bucket_size_mb"])]
                   + phase_cells(r.measured.phases, ("step", "backward", "comm_wait")) + [predicted, best], r, *inputs)
     return [steps, sweep]
 
@@ -125,20 +133,21 @@ def ddp_tables(run: Run) -> list[Table]:
 def _bucket_model(run: Run, step: Result) -> tuple[BucketedAllReduce | None, list[Result]]:
     """The bucket model for a DDPBucketed point, from the same run's single-process and all-reduce points, and
     those points."""
-    point = step.point
-    single = [r for r in run.select("ddp", variant=Variant.SINGLE, precision=point.precision, context=point.context)]
-    calls = run.select("allreduce", backend=step.measured.backend, world_size=point.world_size)
+    spec = step.point.spec
+    single = [r for r in run.select("ddp") if r.point.spec.variant == Variant.SINGLE
+              and (r.point.spec.precision, r.point.spec.context) == (spec.precision, spec.context)]
+    calls = run.select("allreduce", backend=step.measured.backend, world_size=step.point.world_size)
     if not single:
         return None, []
-    params = count_parameters(get_config(point.preset, point.edition, context_length=point.context))
+    params = count_parameters(get_config(spec.preset, spec.edition, context_length=spec.context))
     model = fit_bucketed_allreduce(backward_seconds=single[0].measured.phases.backward_s,
-                                   param_bytes=point.precision.grad_bytes * params, world_size=point.world_size,
+                                   param_bytes=spec.precision.grad_bytes * params, world_size=step.point.world_size,
                                    allreduces=[(r.measured.bytes, r.measured.latency_s) for r in calls])
     return model, [single[0], *calls]
 
 
 def fsdp_tables(run: Run) -> list[Table]:
-    keys = ["preset", "precision", "context", "world_size", "variant", "prefetch", "gather"]
+    keys = ["preset", "precision", "context", "world_size", "variant", "fsdp_prefetch", "fsdp_gather"]
     results, oom = _training_steps(run, "fsdp", keys, FSDP_VARIANTS)
     if not results and not oom:
         return []
@@ -154,7 +163,7 @@ def fsdp_tables(run: Run) -> list[Table]:
                        "point's levers (systems.bench.predictions), fsdp_memory for ours, peak_memory for one "
                        "process and DDP (which leaves out DDP's buckets), none for fsdp2; where the run stored "
                        "another, it follows in brackets.",
-                  batches=batch_sizes(results))
+                  batches=training_batches(results))
     for r in results:
         m = r.measured
         peak, (predicted, predicted_cell) = m.peak_mb(), predicted_peak(r, mib)
@@ -170,7 +179,7 @@ def fsdp_tables(run: Run) -> list[Table]:
 
 
 FULLSTEP_KEYS = ["preset", "precision", "context", "world_size", "variant", "attention", "checkpoint",
-                 "loss_chunk", "gather", "fused", "compile"]
+                 "loss_chunk", "fsdp_gather", "fused", "compile"]
 
 
 def fullstep_tables(run: Run) -> list[Table]:
@@ -192,13 +201,14 @@ def fullstep_tables(run: Run) -> list[Table]:
                        "(systems.bench.predictions: fsdp_memory for our FSDP), the run's own in brackets where it "
                        "differs. Cold "
                        "start: from the pytest process's start to the end of the point's timed job.",
-                  batches=batch_sizes(results))
+                  batches=training_batches(results))
     for r in results:
         m = r.measured
         peaks, (predicted, predicted_cell) = m.peak_memory_mb_per_rank or [], predicted_peak(r, _gib)
         mfu = m.throughput.mfu
-        model = flops(get_config(r.point.preset, r.point.edition, context_length=r.point.context), r.point.batch,
-                      r.point.context)
+        spec = r.point.spec
+        model = flops(get_config(spec.preset, spec.edition, context_length=spec.context), spec.batch_size,
+                      spec.context)
         table.add(point_cells(r.point, FULLSTEP_KEYS) + [number(m.phases.step_s), number(m.do_bench_s)]
                   + ["" if mfu is None else f"{mfu:.1%}",
                      "" if mfu is None else f"{mfu * model.full_attention_step / model.flash_step:.1%}",
@@ -215,7 +225,7 @@ def predicted_peak(r: Result, cell) -> tuple[float | None, str]:
     """Today's accounting's peak for the run of `r`'s point, MiB, and its cell written by `cell`, with the
     prediction stored by the run in brackets where it differs by more than rounding."""
     device = "cuda" if r.measured.backend == "nccl" else "cpu"
-    today, stored = predicted_peak_mb(r.point.spec(), r.point.world_size, device), r.measured.predicted_peak_mb
+    today, stored = predicted_peak_mb(r.point.spec, r.point.world_size, device), r.measured.predicted_peak_mb
     shown = cell(today)
     if stored is not None and (today is None or abs(today / stored - 1) > 1e-3):
         shown += f" ({cell(stored)})"
@@ -225,15 +235,13 @@ def predicted_peak(r: Result, cell) -> tuple[float | None, str]:
 LEVERS_OFF = {"checkpoint": "none", "loss_chunk": "full"}  # a full step's levers, by name where they are off
 
 
-def point_cells(point: Point, keys: list[str]) -> list[str]:
-    """A point's fields as cells: a lever it leaves off by name; a field its kind has not, or our FSDP's levers
-    for the other variants, empty."""
-    fields = {field.name for field in dataclasses.fields(point)}
+def point_cells(point: TrainingPoint, keys: list[str]) -> list[str]:
+    """A training point's values of `keys` as cells (point_values): a lever it leaves off by name; a lever its kind
+    does not vary, or our FSDP's for the other variants, empty."""
 
-    def cell(key: str) -> str:
-        if key not in fields:
+    def cell(key: str, value) -> str:
+        if key != "world_size" and not point.shows(key):
             return ""
-        value = getattr(point, key)
         if isinstance(value, bool):
             return "yes" if value else "no"
         if key == "checkpoint":  # one level of segments by their size, as the tables' "checkpoint" column says
@@ -241,7 +249,7 @@ def point_cells(point: Point, keys: list[str]) -> list[str]:
             return str(value.levels[0]) if plain else str(value)
         return LEVERS_OFF[key] if value is None and key in LEVERS_OFF else number(value)
 
-    return [cell(key) for key in keys]
+    return [cell(key, value) for key, value in zip(keys, point_values(point, keys))]
 
 
 def _gib(mb: float | None) -> str:
@@ -250,7 +258,7 @@ def _gib(mb: float | None) -> str:
 
 def optimizer_tables(run: Run) -> list[Table]:
     keys = ["world_size", "optimizer"]
-    results = sorted_by(run.select("optimizer"), keys)
+    results = sorted_by_point(run.select("optimizer"), keys)
     if not results:
         return []
     moments = sorted({moment for r in results for moment in r.measured.memory_mb or {}})
@@ -260,7 +268,7 @@ def optimizer_tables(run: Run) -> list[Table]:
                   + [f"peak {moment.replace('_', ' ')}" for moment in moments] + ["optimizer (ms)", "step (ms)"])
     for r in results:
         m = r.measured
-        table.add([number(k) for k in fields_of(r.point, keys)]
+        table.add([number(k) for k in point_values(r.point, keys)]
                   + [mib(max(m.state_mb)), mib(m.unsharded_state_mb), number(m.state_fraction),
                      number(m.ideal_fraction)]
                   + [mib((m.memory_mb or {}).get(moment)) for moment in moments]

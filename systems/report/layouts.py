@@ -5,26 +5,26 @@ from __future__ import annotations
 
 from systems.accounting.layouts import Cluster, Compute, Links, fastest, predict_layouts
 from systems.bench.schema import LAYOUT_BUCKET_MB, LAYOUT_VARIANTS
+from systems.bench.schema.distributed import SHAPE
 from systems.levers.variant import Variant
 from systems.model import get_config
-from systems.report.markdown import BATCH, Table, batch_sizes, mib, ms, number, order
+from systems.report.markdown import BATCH, Table, mib, ms, number, order
 from systems.report.runs import Result, Run
 
 AXES = ("shard", "replicate")
 GPUS_PER_NODE = 8  # an H100 node
 NODES = (2, 8, 64)
 INTER_GBPS = (25, 50)  # GB/s a GPU sends across nodes: its InfiniBand NIC at 200 or 400 Gb/s
-SHAPE = ("preset", "edition", "precision", "batch", "context")
 
 
 def _shape(result: Result) -> tuple:
-    return tuple(getattr(result.point, key) for key in SHAPE)
+    return tuple(getattr(result.point.spec, key) for key in SHAPE)
 
 
 def _sorted(results: list[Result]) -> list[Result]:
     rank = {variant: i for i, variant in enumerate(LAYOUT_VARIANTS)}
-    return sorted(results, key=lambda r: (tuple(map(order, _shape(r))), r.point.world_size, rank[r.point.variant],
-                                          str(r.point.layout)))
+    return sorted(results, key=lambda r: (tuple(map(order, _shape(r))), r.point.world_size,
+                                          rank[r.point.spec.variant], str(r.point.layout)))
 
 
 def layout_tables(run: Run) -> list[Table]:
@@ -41,13 +41,15 @@ def layout_tables(run: Run) -> list[Table]:
                        "rank sends (systems.accounting.traffic, ring bytes), the time that axis's collectives of a "
                        "step take alone, back to back (torch-hsdp's timed with ours of the same sizes), and its bus "
                        "bandwidth. Comm wait and all-gather wait are what the step waited for: the communication "
-                       "not hidden (torch's waits fall inside its backward).", batches=batch_sizes(results))
+                       "not hidden (torch's waits fall inside its backward).",
+                  batches={r.point.spec.batch_size for r in results})
     for r in results:
-        m, point = r.measured, r.point
-        single = next((s for s in run.select("layout", variant=Variant.SINGLE) if _shape(s) == _shape(r)), None)
-        versus = m.phases.step_s / single.measured.phases.step_s if single and point.variant != Variant.SINGLE else None
-        row = [number(point.preset), number(point.precision), number(point.context), number(point.world_size),
-               number(point.variant), number(point.layout)]
+        m, point, spec = r.measured, r.point, r.point.spec
+        single = next((s for s in run.select("layout") if s.point.spec.variant == Variant.SINGLE
+                       and _shape(s) == _shape(r)), None)
+        versus = m.phases.step_s / single.measured.phases.step_s if single and spec.variant != Variant.SINGLE else None
+        row = [number(spec.preset), number(spec.precision), number(spec.context), number(point.world_size),
+               number(spec.variant), number(point.layout)]
         row += [ms(getattr(m.phases, f"{phase}_s")) for phase in ("step", "forward", "backward", "comm_wait",
                                                                  "gather_wait")] + [number(versus)]
         for axis in AXES:
@@ -56,9 +58,9 @@ def layout_tables(run: Run) -> list[Table]:
                                                           number(comm.busbw_gbps)]
         table.add(row, r, *filter(None, (single,)))
     for entry in oom:
-        p = entry.point
-        table.add([number(p.preset), number(p.precision), number(p.context), number(p.world_size),
-                   number(p.variant), number(p.layout), "OOM"] + [""] * (len(columns) - 7), entry)
+        p, spec = entry.point, entry.point.spec
+        table.add([number(spec.preset), number(spec.precision), number(spec.context), number(p.world_size),
+                   number(spec.variant), number(p.layout), "OOM"] + [""] * (len(columns) - 7), entry)
     return [table] + _prediction_tables(results)
 
 
@@ -78,8 +80,8 @@ def _prediction_tables(results: list[Result]) -> list[Table]:
                        "the ring, would favour HSDP further.")
     for shape in dict.fromkeys(map(_shape, results)):
         here = [r for r in results if _shape(r) == shape]
-        single = next((r for r in here if r.point.variant == Variant.SINGLE), None)
-        fsdp = max((r for r in here if r.point.variant == Variant.FSDP and "shard" in r.measured.axes),
+        single = next((r for r in here if r.point.spec.variant == Variant.SINGLE), None)
+        fsdp = max((r for r in here if r.point.spec.variant == Variant.FSDP and "shard" in r.measured.axes),
                    key=lambda r: r.point.world_size, default=None)
         if single is None or fsdp is None:
             continue

@@ -60,8 +60,9 @@ def build_plots(run: Run, out: Path) -> list[Path]:
         [("bus bandwidth (GB/s)", lambda r: r.measured.busbw_gbps),
          ("time per all-reduce (ms)", lambda r: None if r.seconds is None else r.seconds * 1e3)])))
     figures.append(("ddp_buckets", "DDPBucketed step against bucket size", "bucket size (MiB)", _panels(
-        run.select("ddp", variant=Variant.BUCKETED), lambda r: r.point.bucket_size_mb,
-        lambda r: f"{r.point.precision.name} context {r.point.context}, {r.point.world_size} ranks",
+        [r for r in run.select("ddp") if r.point.spec.variant == Variant.BUCKETED],
+        lambda r: r.point.spec.bucket_size_mb,
+        lambda r: f"{r.point.spec.precision.name} context {r.point.spec.context}, {r.point.world_size} ranks",
         [("step (ms)", lambda r: r.seconds * 1e3), ("comm wait (ms)", lambda r: r.measured.phases.comm_wait_s * 1e3)])))
     # Schemes are not a sequence: a point each, named, no line between them.
     figures.append(("checkpointing", "Activation checkpointing: step time against activation memory, a point per "

@@ -11,7 +11,7 @@ from systems.bench.schema.course import (CollectiveBandwidth, FFNBandwidthMeasur
 from systems.bench.schema.distributed import (DDP_VARIANTS, FSDP_VARIANTS, AllReduceMeasured, AllReducePoint,
                                               DDPMeasured, DDPPoint, FSDPMeasured, FSDPPoint, FullStepMeasured,
                                               FullStepPoint, OptimizerMeasured, OptimizerPoint, Phases,
-                                              TrainingMeasured)
+                                              TrainingMeasured, TrainingPoint)
 from systems.bench.schema.layouts import (LAYOUT_BUCKET_MB, LAYOUT_VARIANTS, AxisComm, LayoutMeasured,
                                           LayoutPoint)
 from systems.bench.schema.model import (MODEL_PHASES, CheckpointMeasured, CheckpointPoint, ContextSearchMeasured,
@@ -25,5 +25,5 @@ __all__ = ["ATTENTION_PASSES", "ATTENTION_SWEEPS", "AllReduceMeasured", "AllRedu
            "FSDP_VARIANTS", "FullStepMeasured", "FullStepPoint", "KINDS", "LAYOUT_BUCKET_MB", "LAYOUT_VARIANTS",
            "LayoutMeasured", "LayoutPoint", "LeaderboardMeasured", "LeaderboardPoint", "MEASURED", "MODEL_PHASES",
            "Measured", "ModelMeasured", "ModelPoint", "NewerSchema", "OptimizerMeasured", "OptimizerPoint", "POINT",
-           "Passes", "Phases", "Point", "SCHEMA", "SchemaError", "Throughput", "TrainingMeasured", "WarmupMeasured",
-           "WarmupPoint", "check_schema", "from_record", "read_measured", "read_point", "to_record"]
+           "Passes", "Phases", "Point", "SCHEMA", "SchemaError", "Throughput", "TrainingMeasured", "TrainingPoint",
+           "WarmupMeasured", "WarmupPoint", "check_schema", "from_record", "read_measured", "read_point", "to_record"]

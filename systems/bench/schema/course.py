@@ -150,7 +150,7 @@ class LeaderboardPoint(Point, kind="leaderboard", measured=LeaderboardMeasured):
     compile: bool = False  # ours: each block through torch.compile
 
     def spec(self) -> TrainSpec:
-        """Ours: the run of one rank's share of the batch (do_bench times it; the spec's steps are not used)."""
+        """Ours: the run of one rank's share of the batch, which do_bench times."""
         if self.model != "ours":
             raise ValueError(f"the {self.model} model is not ours: it has no TrainSpec")
         return TrainSpec(preset=self.preset, edition=self.edition, variant=Variant.FSDP, precision=self.precision,

@@ -1,24 +1,22 @@
 """Points of several ranks: the all-reduce (bench_allreduce), data-parallel steps and optimizer sharding
 (bench_ddp), FSDP beside DDP (bench_fsdp) and the whole training step the leaderboard times (bench_fullstep).
 
-The ranks time themselves (systems.parallel.train: CUDA events on a GPU); a phase's seconds are the mean over
-ranks of each rank's median over the timed steps. Model FLOPs as systems.bench.schema.model's, per GPU; the full
-step counts the leaderboard's way (Flops.flash_step: attention's backward 2.5x its forward).
+A training point holds the TrainSpec its run trains (TrainingPoint), its id naming what its kind varies. The ranks
+time themselves (systems.parallel.train: CUDA events on a GPU); a phase's seconds are the mean over ranks of each
+rank's median over the timed steps. Model FLOPs as systems.bench.schema.model's, per GPU; the full step counts the
+leaderboard's way (Flops.flash_step: attention's backward 2.5x its forward).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from systems.bench.breakdown import StepBreakdown
 from systems.bench.schema.base import Measured, Point, Throughput
 from systems.bench.schema.model import kernel_levers
-from systems.levers.checkpointing import Checkpointing
-from systems.levers.sharding import Gather
-from systems.levers.variant import Optimizer, Variant
-from systems.model import Attention, Fused
+from systems.levers.variant import Variant
 from systems.parallel.spec import TrainSpec
-from systems.precision import Precision
 
 # One process and torch's DistributedDataParallel come first, in grids and tables: the others compare with them.
 DDP_VARIANTS = (Variant.SINGLE, Variant.TORCH, Variant.NAIVE, Variant.FLAT, Variant.INDIVIDUAL, Variant.BUCKETED)
@@ -26,32 +24,30 @@ DDP_VARIANTS = (Variant.SINGLE, Variant.TORCH, Variant.NAIVE, Variant.FLAT, Vari
 FSDP_VARIANTS = (Variant.SINGLE, Variant.BUCKETED, Variant.FSDP, Variant.FSDP2)
 SHARDED_BUCKET_MB = 25.0  # the sharded-optimizer points all train with DDPBucketed at this size
 FSDP_DDP_BUCKET_MB = 100.0  # the bucket size of bucketed DDP beside FSDP
+SHAPE = ("preset", "edition", "precision", "batch_size", "context")  # the TrainSpec fields of a point's shape
+FSDP_LEVERS = ("fsdp_gather", "fsdp_prefetch")  # our FSDP's own: the ids of its points alone name them
 
 
 @dataclass(frozen=True)
-class TrainingShape:
-    """What a training point trains: a preset of an edition, in a precision, `batch` sequences of `context` tokens
-    per rank on `world_size` ranks. The first fields of the training kinds below, and of their ids."""
+class TrainingPoint:
+    """What a training point trains: the TrainSpec its bench runs (a nested scheme as the grid names it: the run
+    resolves it where it starts), on `world_size` ranks. The first fields of the training kinds below; their ids
+    begin with the shape (`shape_id`) and name the levers the kind varies (`varies`), the others the same in all
+    its points."""
 
-    preset: str
-    edition: str
-    precision: Precision
-    batch: int  # per rank
-    context: int
+    spec: TrainSpec
     world_size: int
+    varies: ClassVar[tuple[str, ...]] = ()
 
     def shape_id(self) -> str:
-        return (f"{self.preset}-{self.edition}-{self.precision.name}-b{self.batch}-ctx{self.context}-"
+        spec = self.spec
+        return (f"{spec.preset}-{spec.edition}-{spec.precision.name}-b{spec.batch_size}-ctx{spec.context}-"
                 f"{self.world_size}ranks")
 
-    def spec(self, warmup: int = TrainSpec.warmup, steps: int = TrainSpec.steps) -> TrainSpec:
-        """The run that measures this point: `warmup` untimed steps, then `steps` timed ones."""
-        return TrainSpec(preset=self.preset, edition=self.edition, precision=self.precision, batch_size=self.batch,
-                         context=self.context, warmup=warmup, steps=steps, **self.levers())
-
-    def levers(self) -> dict:
-        """The TrainSpec fields this kind of point sets beside its shape."""
-        return {}
+    def shows(self, name: str) -> bool:
+        """Whether the point's id names the spec's field `name`: a field of its shape or a lever its kind varies,
+        our FSDP's levers only beside our FSDP (the other variants do not use them)."""
+        return name in SHAPE + self.varies and (name not in FSDP_LEVERS or self.spec.variant == Variant.FSDP)
 
 
 @dataclass(frozen=True)
@@ -133,16 +129,14 @@ class DDPMeasured(TrainingMeasured):
     comm_share: float  # comm_wait / step
 
 
-class DDPPoint(TrainingShape, Point, kind="ddp", measured=DDPMeasured):
-    variant: Variant  # one of DDP_VARIANTS
-    bucket_size_mb: float | None  # DDPBucketed's, and torch DDP's bucket_cap_mb
+class DDPPoint(TrainingPoint, Point, kind="ddp", measured=DDPMeasured):
+    """A variant of DDP_VARIANTS at a bucket size (DDPBucketed's, torch DDP's bucket_cap_mb; None for the others)."""
 
-    def levers(self) -> dict:
-        return dict(variant=self.variant, bucket_size_mb=self.bucket_size_mb)
+    varies = ("variant", "bucket_size_mb")
 
     def __str__(self) -> str:
-        bucket = "" if self.bucket_size_mb is None else f"-{self.bucket_size_mb:g}MiB"
-        return f"{self.variant}{bucket}-{self.shape_id()}"
+        bucket = "" if self.spec.bucket_size_mb is None else f"-{self.spec.bucket_size_mb:g}MiB"
+        return f"{self.spec.variant}{bucket}-{self.shape_id()}"
 
 
 @dataclass(frozen=True)
@@ -162,16 +156,13 @@ class OptimizerMeasured(Measured):
         return None if self.memory_mb is None else max(self.memory_mb.values())
 
 
-class OptimizerPoint(TrainingShape, Point, kind="optimizer", measured=OptimizerMeasured):
-    """AdamW, ShardedOptimizer (ZeRO-1) or torch's ZeroRedundancyOptimizer, under DDPBucketed."""
+class OptimizerPoint(TrainingPoint, Point, kind="optimizer", measured=OptimizerMeasured):
+    """AdamW, ShardedOptimizer (ZeRO-1) or torch's ZeroRedundancyOptimizer, under DDPBucketed (SHARDED_BUCKET_MB)."""
 
-    optimizer: Optimizer
-
-    def levers(self) -> dict:
-        return dict(variant=Variant.BUCKETED, bucket_size_mb=SHARDED_BUCKET_MB, optimizer=self.optimizer)
+    varies = ("optimizer",)
 
     def __str__(self) -> str:
-        return f"{self.optimizer}-{self.shape_id()}"
+        return f"{self.spec.optimizer}-{self.shape_id()}"
 
 
 @dataclass(frozen=True)
@@ -181,27 +172,18 @@ class FSDPMeasured(TrainingMeasured):
     breakdown_per_rank: list[StepBreakdown] | None  # one profiled step per rank, on a GPU
 
 
-def _levers(variant: Variant, gather: Gather | None, prefetch: int | None) -> str:
+def _fsdp_levers(spec: TrainSpec) -> str:
     """Our FSDP's levers in an id; the other variants have none."""
-    return f"-{gather}-prefetch{prefetch}" if variant == Variant.FSDP else ""
+    return f"-{spec.fsdp_gather}-prefetch{spec.fsdp_prefetch}" if spec.variant == Variant.FSDP else ""
 
 
-def _fsdp_levers(variant: Variant, gather: Gather | None, prefetch: int | None) -> dict:
-    """Our FSDP's levers as TrainSpec fields; the other variants take the defaults."""
-    return dict(fsdp_gather=gather, fsdp_prefetch=prefetch) if variant == Variant.FSDP else {}
+class FSDPPoint(TrainingPoint, Point, kind="fsdp", measured=FSDPMeasured):
+    """A variant of FSDP_VARIANTS (bucketed DDP at FSDP_DDP_BUCKET_MB), ours with its gather and prefetch."""
 
-
-class FSDPPoint(TrainingShape, Point, kind="fsdp", measured=FSDPMeasured):
-    variant: Variant  # one of FSDP_VARIANTS
-    gather: Gather | None  # our FSDP's (None for the other variants)
-    prefetch: int | None
-
-    def levers(self) -> dict:
-        bucket = {"bucket_size_mb": FSDP_DDP_BUCKET_MB} if self.variant == Variant.BUCKETED else {}
-        return dict(variant=self.variant) | bucket | _fsdp_levers(self.variant, self.gather, self.prefetch)
+    varies = ("variant", *FSDP_LEVERS)
 
     def __str__(self) -> str:
-        return f"{self.variant}-{self.shape_id()}{_levers(self.variant, self.gather, self.prefetch)}"
+        return f"{self.spec.variant}-{self.shape_id()}{_fsdp_levers(self.spec)}"
 
 
 @dataclass(frozen=True)
@@ -213,26 +195,15 @@ class FullStepMeasured(FSDPMeasured):
     peak_memory_mb_per_rank: list[float] | None
 
 
-class FullStepPoint(TrainingShape, Point, kind="fullstep", measured=FullStepMeasured):
+class FullStepPoint(TrainingPoint, Point, kind="fullstep", measured=FullStepMeasured):
     """A whole training step with its levers: a variant of systems.parallel.train (our FSDP for the leaderboard's
     model), the attention backend, a checkpointing scheme, the cross-entropy `loss_chunk` tokens at a time
-    (None: the whole logits), the fused kernels and regional compilation."""
+    (None: the whole logits), our FSDP's gather and prefetch, the fused kernels and regional compilation."""
 
-    variant: Variant
-    attention: Attention
-    checkpoint: Checkpointing
-    loss_chunk: int | None
-    gather: Gather | None
-    prefetch: int | None
-    fused: Fused = Fused.NONE  # the model's fused Triton kernels
-    compile: bool = False  # each block through torch.compile
-
-    def levers(self) -> dict:
-        return dict(variant=self.variant, attention=self.attention, checkpoint=self.checkpoint,
-                    loss_chunk=self.loss_chunk, fused=self.fused, compile=self.compile) | _fsdp_levers(
-                        self.variant, self.gather, self.prefetch)
+    varies = ("variant", "attention", "checkpoint", "loss_chunk", *FSDP_LEVERS, "fused", "compile")
 
     def __str__(self) -> str:
-        loss = "full" if self.loss_chunk is None else f"chunk{self.loss_chunk}"
-        return (f"{self.variant}-{self.shape_id()}-{self.attention}-ckpt-{self.checkpoint}-loss-{loss}"
-                f"{_levers(self.variant, self.gather, self.prefetch)}{kernel_levers(self.fused, self.compile)}")
+        spec = self.spec
+        loss = "full" if spec.loss_chunk is None else f"chunk{spec.loss_chunk}"
+        return (f"{spec.variant}-{self.shape_id()}-{spec.attention}-ckpt-{spec.checkpoint}-loss-{loss}"
+                f"{_fsdp_levers(spec)}{kernel_levers(spec.fused, spec.compile)}")

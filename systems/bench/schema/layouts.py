@@ -18,7 +18,6 @@ from systems.bench.schema.distributed import TrainingMeasured
 from systems.levers.layout import Layout
 from systems.levers.variant import Variant
 from systems.parallel.spec import TrainSpec
-from systems.precision import Precision
 
 # One process first (the compute every layout adds communication to), then DDP, FSDP, ours and torch's HSDP.
 LAYOUT_VARIANTS = (Variant.SINGLE, Variant.BUCKETED, Variant.FSDP, Variant.HSDP, Variant.TORCH_HSDP)
@@ -45,25 +44,22 @@ class LayoutMeasured(TrainingMeasured):
 
 
 class LayoutPoint(Point, kind="layout", measured=LayoutMeasured):
-    variant: Variant  # one of LAYOUT_VARIANTS
+    """A variant of LAYOUT_VARIANTS training its spec (DDPBucketed's buckets LAYOUT_BUCKET_MB) over `layout`, which
+    the spec holds for the meshed variants; the others' is the one they take over its ranks."""
+
+    spec: TrainSpec
     layout: Layout  # replicas x shards (one process: 1 x 1)
-    preset: str
-    edition: str
-    precision: Precision
-    batch: int  # per rank
-    context: int
+
+    def __post_init__(self):
+        if self.spec.layout_for(self.layout.world_size) != self.layout:
+            raise ValueError(f"{self.spec.variant} over {self.layout.world_size} ranks is laid out as "
+                             f"{self.spec.layout_for(self.layout.world_size)}, not {self.layout}")
 
     @property
     def world_size(self) -> int:
         return self.layout.world_size
 
-    def spec(self, warmup: int = TrainSpec.warmup, steps: int = TrainSpec.steps) -> TrainSpec:
-        """The run that measures this point: `warmup` untimed steps, then `steps` timed ones."""
-        return TrainSpec(preset=self.preset, edition=self.edition, variant=self.variant,
-                         layout=self.layout if self.variant.meshed else None, precision=self.precision,
-                         batch_size=self.batch, context=self.context, bucket_size_mb=LAYOUT_BUCKET_MB, warmup=warmup,
-                         steps=steps)
-
     def __str__(self) -> str:
-        return (f"{self.variant}-{self.layout}-{self.preset}-{self.edition}-{self.precision.name}-b{self.batch}"
-                f"-ctx{self.context}")
+        spec = self.spec
+        return (f"{spec.variant}-{self.layout}-{spec.preset}-{spec.edition}-{spec.precision.name}-b{spec.batch_size}"
+                f"-ctx{spec.context}")

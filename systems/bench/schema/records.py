@@ -19,8 +19,9 @@ from systems.levers.checkpointing import Checkpointing
 from systems.precision import Precision, get_precision
 
 # The version of the histories this code writes and reads; 3 added the fused kernels and regional compilation to the
-# full-step and checkpointing points, 4 to the leaderboard's (systems.bench.migrate fills them in older histories).
-SCHEMA = 4
+# full-step and checkpointing points, 4 to the leaderboard's, and at 5 training points hold their TrainSpec
+# (systems.bench.migrate rewrites older histories).
+SCHEMA = 5
 
 
 class SchemaError(ValueError):
