@@ -39,6 +39,7 @@ from systems.levers.variant import Variant
 from systems.parallel.__main__ import parse_args
 from systems.parallel.fsdp import FSDP
 from systems.parallel.parallelize import full_parameters
+from systems.parallel.ranks import rank_device
 from systems.parallel.spec import Schedule, TrainSpec
 from systems.parallel.train import Rank, train
 
@@ -89,8 +90,9 @@ def train_every_spec() -> dict:
     if dist.get_rank() == 0:
         for name, spec in specs.items():
             if name not in BUGS:
+                # On the ranks' device: under NCCL the weights come from the GPU's generator, as the ranks' do.
                 results[name]["reference"] = train_one_process(spec, SCHEDULE, spec.layout_for(dist.get_world_size()),
-                                                               torch.device("cpu"))
+                                                               rank_device())
     return results
 
 
