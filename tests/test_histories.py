@@ -149,14 +149,12 @@ def test_an_out_folder_that_cannot_be_written_is_a_one_line_error(tmp_path, caps
     assert (tmp_path / "report").read_text() == "not a folder"
 
 
-@pytest.mark.parametrize("args", [("--run", "{bad}"), ("--run", "5-3"), ("--out", "{bad}")],
-                         ids=["bad-history", "run-range-counting-down", "out-is-a-file"])
-def test_command_line_error_has_no_traceback(tmp_path, args):
+def test_command_line_error_has_no_traceback(tmp_path):
+    """`python -m systems.report` itself, once: main()'s one-line errors are checked in-process above."""
     save_run(tmp_path / "storage", 5, [model_entry()])
     bad = tmp_path / "0001_abc_20260101_120000.json"
     bad.write_text('{"benchmarks": [{"fullname": 1}]}')
-    command = ["--storage", str(tmp_path / "storage"), "--out", str(tmp_path / "o")]
-    command += [arg.format(bad=bad) for arg in args]
+    command = ["--storage", str(tmp_path / "storage"), "--out", str(tmp_path / "o"), "--run", str(bad)]
     proc = subprocess.run([sys.executable, "-m", "systems.report", *command], capture_output=True, text=True,
                           cwd=ROOT, timeout=120)
     assert proc.returncode == 2
