@@ -1,11 +1,12 @@
-"""Process groups for data-parallel work: spawn N ranks here, or join the group torchrun started.
+"""Process groups for data-parallel work: start N ranks here, or join the group torchrun started.
 
 `launch(fn, world_size)` runs `fn(*args)` on every rank of a fresh process group (gloo on CPUs,
 NCCL with one GPU per rank) and returns the ranks' return values in rank order. `RankPool` keeps
-such a group alive to run one function after another, so a benchmark grid pays for spawning
-and rendezvous once. Neither ever hangs or leaves a process behind: a rank that raises fails the
-call with its traceback, ranks that do not finish in time have their stacks dumped to stderr and
-are killed, and after a failure every process is reaped before the error reaches the caller.
+such a group alive to run one function after another, so a benchmark grid pays for starting ranks
+and rendezvous once; ranks fork from a server that imported torch once (`_rank_context`). Neither
+ever hangs or leaves a process behind: a rank that raises fails the call with its traceback, ranks
+that do not finish in time have their stacks dumped to stderr and are killed, and after a failure
+every process is reaped before the error reaches the caller.
 Code that runs inside them also runs under torchrun after `init_from_env(backend)`, so the same
 training code goes to several nodes unchanged.
 """
@@ -25,11 +26,13 @@ import shutil
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
 import warnings
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing import reduction
 
 import torch
 import torch.distributed as dist
@@ -60,16 +63,20 @@ class RankPool:
     def __init__(self, world_size: int, *, backend: str = "gloo", timeout: float = 120.0):
         _check_group(world_size, backend, timeout)
         self.world_size, self.backend, self.timeout = world_size, backend, timeout
-        context = multiprocessing.get_context("spawn")
+        context = _rank_context()
         self._jobs = [context.Queue() for _ in range(world_size)]
         self._results = context.Queue()
         # A FileStore on a fresh path: concurrent pools (pytest-xdist workers) cannot collide.
         self._store_dir = tempfile.mkdtemp(prefix="systems-ranks-")
         store_path = os.path.join(self._store_dir, "store")
         threads = max(1, torch.get_num_threads() // world_size)  # the ranks share this process's cores
+        # The ranks' parent is the fork server, so each watches a pipe whose write end only this process holds:
+        # it closes when this process ends, however it ends, and the ranks leave with it.
+        lifeline, self._lifeline = os.pipe()
         self._ranks = [context.Process(target=_serve, name=f"rank {rank}",
                                        args=(rank, world_size, backend, store_path, timeout, threads,
-                                             self._jobs[rank], self._results))
+                                             self._jobs[rank], self._results, dict(os.environ),
+                                             _Inherited((1, 2, lifeline))))
                        for rank in range(world_size)]
         self.closed = False
         try:
@@ -78,6 +85,8 @@ class RankPool:
         except BaseException:
             self._shut_down(grace=0.0)
             raise
+        finally:
+            os.close(lifeline)
 
     def run(self, fn: Callable, *args, timeout: float | None = None) -> list:
         """`fn(*args)` on every rank; their results, rank 0 first.
@@ -115,6 +124,7 @@ class RankPool:
     def _shut_down(self, grace: float) -> None:
         self.closed = True
         _reap(self._ranks, grace)
+        os.close(self._lifeline)
         for channel in (*self._jobs, self._results):
             channel.close()
             channel.cancel_join_thread()
@@ -216,9 +226,42 @@ def _init_group(backend: str, local_rank: int, timeout: float, **rendezvous) -> 
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout), device_id=device_id, **rendezvous)
 
 
-def _serve(rank, world_size, backend, store_path, timeout, threads, jobs, results) -> None:
-    """The body of one spawned rank: join the group, then run jobs until told to stop."""
-    die_with_parent()
+def _rank_context():
+    """Ranks fork from a server process that has imported torch once (multiprocessing's forkserver), so a pool
+    starts in a fork rather than in fresh interpreters each importing torch: seconds a pool on a small host. The
+    server imports torch alone, which initializes no GPU: a forked child could not use one that was. A rank takes
+    the environment and the standard output and error of the process that starts it, as a spawned one would
+    (`_serve`, `_Inherited`), not the server's, and leaves when that process ends (`_exit_when_closed`)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch"])
+    return context
+
+
+class _Inherited:
+    """File descriptors of this process as they are when a rank starts (its standard output and error: pytest's
+    capture of the test that starts it, say), handed to the rank."""
+
+    def __init__(self, fds: tuple[int, ...]):
+        self.fds = fds
+
+    def __reduce__(self):
+        return _Inherited.received, tuple(reduction.DupFd(fd) for fd in self.fds)
+
+    @staticmethod
+    def received(*fds) -> tuple[int, ...]:
+        return tuple(fd.detach() for fd in fds)
+
+
+def _serve(rank, world_size, backend, store_path, timeout, threads, jobs, results, environ, inherited) -> None:
+    """The body of one rank: take its starter's environment and output, leave when its starter ends, join the
+    group, then run jobs until told to stop."""
+    os.environ.clear()
+    os.environ.update(environ)
+    out, err, lifeline = inherited
+    for fd, received in ((1, out), (2, err)):
+        os.dup2(received, fd)
+        os.close(received)
+    threading.Thread(target=_exit_when_closed, args=(lifeline,), name="lifeline", daemon=True).start()
     faulthandler.register(signal.SIGUSR1)  # the parent asks a hung rank where it is stuck
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast stays off on the lent machines
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # all ranks live on this host
@@ -247,6 +290,13 @@ def _serve(rank, world_size, backend, store_path, timeout, threads, jobs, result
     dist.destroy_process_group()
 
 
+def _exit_when_closed(lifeline: int) -> None:
+    """End this process the moment the pipe's write end closes: the process that started it has ended."""
+    while os.read(lifeline, 1):
+        pass
+    os._exit(1)
+
+
 @contextlib.contextmanager
 def _as_a_fresh_rank():
     """A job's process-wide settings end with it (warning filters, deterministic algorithms, the default dtype, grad
@@ -258,7 +308,10 @@ def _as_a_fresh_rank():
         with warnings.catch_warnings():
             yield
     finally:
-        torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        # Only where the job changed it: the first call of use_deterministic_algorithms imports seconds of torch.
+        if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != (
+                deterministic, warn_only):
+            torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
         torch.set_default_dtype(dtype)
         torch.set_grad_enabled(grad)
 
