@@ -83,6 +83,49 @@ def test_a_faulty_rank_fails_the_call_promptly_by_name_and_leaves_no_process(tmp
     assert "rank 0" not in str(raised.value)
 
 
+OWNER = """
+import os, time
+from systems.parallel.ranks import RankPool
+
+def pid():
+    return os.getpid()
+
+if __name__ == "__main__":
+    pool = RankPool(2)
+    print(*pool.run(pid), flush=True)
+    time.sleep(600)
+"""
+
+
+def test_a_killed_pools_owner_leaves_no_rank_behind(tmp_path):
+    """The ranks' parent is the fork server, which outlives a killed owner: they must leave by themselves."""
+    script = tmp_path / "owner.py"
+    script.write_text(OWNER)
+    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    try:
+        pids = [int(pid) for pid in owner.stdout.readline().split()]
+    finally:
+        owner.kill()
+        owner.wait()
+    assert len(pids) == 2
+    deadline = time.monotonic() + PROMPT
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    orphans = [pid for pid in pids if _alive(pid)]
+    for pid in orphans:
+        os.kill(pid, signal.SIGKILL)
+    assert not orphans
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def change_process_settings() -> None:
     warnings.simplefilter("error")
     torch.use_deterministic_algorithms(True)
