@@ -26,9 +26,10 @@ CAPABILITIES = [(8, 0), (8, 6), (8, 9), HOPPER, (10, 0), (12, 0)]  # A100, A10, 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 HEAD_DIMS = [16, 32, 64, 80, 96, 128]
 H100_SMS = 132
-# (batch, heads or None, n_queries, n_keys): a long grid, a short sequence, one long sequence, unequal lengths
+# (batch, heads or None, n_queries, n_keys): a long grid, a short sequence, one long sequence, unequal lengths,
 LONG = (4, 32, 4096, 4096)
-SHAPES = [LONG, (3, 2, 200, 300), (2, None, 8192, 8192), (1, 64, 300, 5000), (16, None, 16384, 16384)]
+SHAPES = [LONG, (3, 2, 200, 300), (2, None, 8192, 8192), (1, 64, 300, 5000), (16, None, 16384, 16384),
+          (8, 32, 2048, 2048)]  # ... and a grid that fills the GPU, one key tile short of 4096
 
 
 def expected_kernel(capability, dtype, d, shape=LONG, sms=H100_SMS) -> str:

@@ -126,6 +126,24 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def speak() -> str:
+    print(f"rank {dist.get_rank()} to stdout", flush=True)
+    print(f"rank {dist.get_rank()} to stderr", file=sys.stderr, flush=True)
+    return os.environ.get("SYSTEMS_LAB_PROBE")
+
+
+def test_ranks_take_their_starters_environment_and_output(capfd, monkeypatch):
+    """Ranks fork from a server started once; what they see is the starter's now: the environment it has when a
+    pool starts, and its standard output and error (here this test's capture), not the server's."""
+    with capfd.disabled():
+        launch(rank_and_pid, 1)  # the server, if not yet running, starts outside this test's capture
+    monkeypatch.setenv("SYSTEMS_LAB_PROBE", "set after the server started")
+    assert launch(speak, 2) == ["set after the server started"] * 2
+    out, err = capfd.readouterr()
+    assert sorted(out.splitlines()) == ["rank 0 to stdout", "rank 1 to stdout"]
+    assert {"rank 0 to stderr", "rank 1 to stderr"} <= set(err.splitlines())
+
+
 def change_process_settings() -> None:
     warnings.simplefilter("error")
     torch.use_deterministic_algorithms(True)
