@@ -109,7 +109,10 @@ def default_grid() -> Grid:
 def test_a_training_bench_trains_its_points_spec_for_the_grids_schedule(module, test, points):
     """Every point of the bench's default grid (bench_fullstep's has nested checkpointing): the ranks train its
     spec, resolved where the run starts, for --warmup-steps and --rounds, and the history keeps the point whole."""
-    bench_module, grid, device = bench(module), default_grid(), torch.device("cpu")
+    # A schedule off Schedule's defaults, else a bench ignoring the grid's would pass.
+    grid, device = dataclasses.replace(default_grid(), warmup_steps=1, rounds=7), torch.device("cpu")
+    bench_module = bench(module)
+    assert Schedule(warmup=grid.warmup_steps, steps=grid.rounds) != Schedule()
     run = getattr(bench_module, test)
     for point in getattr(bench_module, points)(grid):
         benchmark, ranks = SimpleNamespace(disabled=True, extra_info={}, group=None), Ranks()
