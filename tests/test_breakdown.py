@@ -3,7 +3,9 @@ communication counted exposed only where nothing else runs."""
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,7 @@ from systems.precision import PRECISIONS
 from systems.step import make_model, random_batch, train_step
 
 MAIN, AUTOGRAD = 1, 2  # thread ids
+ATTENTION = Path(__file__).parents[1] / "systems" / "attention"
 
 
 @pytest.mark.parametrize("name, kind", [
@@ -36,6 +39,19 @@ MAIN, AUTOGRAD = 1, 2  # thread ids
 ])
 def test_kernels_are_sorted_by_name(name, kind):
     assert kind_of(name) == kind
+
+
+@pytest.mark.parametrize("module", sorted(ATTENTION.glob("*_forward.py")) + sorted(ATTENTION.glob("*_backward.py")),
+                         ids=lambda path: path.stem)
+def test_each_of_our_attention_kernels_is_sorted_by_its_pass(module):
+    """Every kernel that systems.attention launches, Triton's and Gluon's, is its pass's attention: a kernel
+    missing from the names would count as other, and a step's attention time would look smaller."""
+    tree = ast.parse(module.read_text())
+    kernels = [node.name for node in tree.body if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel")
+               and any(ast.unparse(getattr(d, "func", d)).endswith(".jit") for d in node.decorator_list)]
+    assert kernels
+    expected = "attention_forward" if module.stem.endswith("_forward") else "attention_backward"
+    assert {name: kind_of(name) for name in kernels} == dict.fromkeys(kernels, expected)
 
 
 def kernel(name, start, duration, correlation, stream=7):

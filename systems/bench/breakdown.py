@@ -24,11 +24,12 @@ import torch
 
 GPU_ACTIVITY = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCHES = ("cuda_runtime", "cuda_driver")
-# Kernel names: ours exactly (systems.attention's Triton kernels), the libraries' by a part of theirs
+# Kernel names: ours exactly (systems.attention's Triton and Gluon kernels), the libraries' by a part of theirs
 # (FlashAttention-2 in SDPA, cuDNN's fprop/bprop, the memory-efficient CUTLASS kernels).
-ATTENTION_FORWARD = ({"fwd_kernel", "fwd_merge_kernel"}, ("flash_fwd", "fprop", "fmha_cutlassF"))
-ATTENTION_BACKWARD = ({"bwd_preprocess_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel"},
-                      ("flash_bwd", "bprop", "fmha_cutlassB"))
+ATTENTION_FORWARD = ({"fwd_kernel", "fwd_merge_kernel", "attention_forward_kernel"},
+                     ("flash_fwd", "fprop", "fmha_cutlassF"))
+ATTENTION_BACKWARD = ({"bwd_preprocess_kernel", "bwd_dkdv_kernel", "bwd_dq_kernel", "attention_backward_kernel",
+                       "bwd_postprocess_kernel"}, ("flash_bwd", "bprop", "fmha_cutlassB"))
 MATMUL = ("gemm", "nvjet", "xmma", "cutlass", "cublas")
 RANGES = ("optimizer_step", "loss", "recompute")
 
