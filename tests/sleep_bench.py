@@ -1,5 +1,6 @@
 """A project of two sleep benchmarks and a test between them that can stop the run, as the history and gate tests
-run it: `bench(*args, **env)` runs pytest there, with the plugin, SLOWDOWN* and STOP set from `env`."""
+run it: `bench(*args, **env)` runs pytest there, with the plugin, SLOWDOWN* and STOP set from `env`, a gate's
+rounds at five."""
 
 import re
 from pathlib import Path
@@ -13,15 +14,16 @@ import time
 
 import torch
 
+from systems.bench.options import grid_of
 from systems.bench.timing import time_on_device
 
 DELAY = {{"first": {first}, "last": {last}}}  # seconds
 
 
-def nap(benchmark, point):
+def nap(benchmark, request, point):
     factor = float(os.environ.get("SLOWDOWN_" + point, os.environ.get("SLOWDOWN", "1")))
     time_on_device(benchmark, lambda: time.sleep(DELAY[point] * factor * drift()), device=torch.device("cpu"),
-                   warmup=1, rounds=5)
+                   warmup=1, rounds=grid_of(request.config).rounds)
 
 
 def drift():
@@ -29,8 +31,8 @@ def drift():
     return 1 + float(os.environ.get("DRIFT", 0)) * abs(time.time() % 2 - 1)
 
 
-def test_first(benchmark):
-    nap(benchmark, "first")
+def test_first(benchmark, request):
+    nap(benchmark, request, "first")
 
 
 def test_stop():
@@ -44,12 +46,13 @@ def test_stop():
     assert stop != "fail"
 
 
-def test_last(benchmark):
-    nap(benchmark, "last")
+def test_last(benchmark, request):
+    nap(benchmark, request, "last")
 """
 # A sleep's overshoot is scheduler latency, far below the delay even on a loaded machine: 50% lies well between
-# the same code (0%) and the 2x slowdown (+100%).
+# the same code (0%) and the 2x slowdown (+100%). Five rounds a run (the grid's default) decide that.
 GATE = "--benchmark-gate=mean:50%"
+FIVE_ROUNDS = "--benchmark-gate-rounds=5"
 
 
 @pytest.fixture
@@ -65,7 +68,7 @@ def bench(inner_pytest, monkeypatch):
         for name, value in env.items():
             monkeypatch.setenv(name, str(value))
         run = inner_pytest.runpytest_subprocess if env.get("STOP") == "interrupt" else inner_pytest.runpytest_inprocess
-        return run("-p", "no:cacheprovider", *args)
+        return run("-p", "no:cacheprovider", FIVE_ROUNDS, *args)
 
     return run
 

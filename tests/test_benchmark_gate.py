@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from sleep_bench import BENCH, GATE, bench, gate_rows, histories  # noqa: F401 (bench is a fixture)
+from sleep_bench import BENCH, FIVE_ROUNDS, GATE, bench, gate_rows, histories  # noqa: F401 (bench is a fixture)
 from systems import report
 from systems.bench.gate import GATE_RECORD
 
@@ -213,7 +213,8 @@ def test_gate_against_a_revision_trips_on_the_slowed_point_only(repo, inner_pyte
     (inner_pytest.path / "test_sleep.py").write_text(BENCH.format(first=0.01, last=0.02))  # not committed
     monkeypatch.setenv("DRIFT", "1.5")
     result = inner_pytest.runpytest_subprocess("-p", "no:cacheprovider", "test_sleep.py", GATE, "--benchmark-autosave",
-                                               "--benchmark-gate-against=HEAD", "--benchmark-gate-turns", "3")
+                                               "--benchmark-gate-against=HEAD", "--benchmark-gate-turns", "3",
+                                               "--rounds=2", "--benchmark-gate-rounds=6")
     assert result.ret == 1, result.stdout.str()
     assert gate_rows(result) == {"test_first": "ok", "test_last": "SLOWER"}
     assert "1 of 2 points slower than HEAD" in result.stdout.str()
@@ -222,7 +223,7 @@ def test_gate_against_a_revision_trips_on_the_slowed_point_only(repo, inner_pyte
     assert saved["systems_lab_complete"]
     evidence = saved[GATE_RECORD]["points"]["test_sleep.py::test_last"]
     assert evidence["status"] == "slower" and len(evidence["changes"]) == 3
-    assert [len(rounds) for rounds in evidence["baseline"] + evidence["work"]] == [5] * 6
+    assert [len(rounds) for rounds in evidence["baseline"] + evidence["work"]] == [6] * 6  # raised in every run
     assert git(inner_pytest.path, "worktree", "list").count("\n") == 1  # the baseline's worktree is gone
 
 
@@ -231,14 +232,29 @@ def test_gate_against_options_are_checked_at_start_up(repo, inner_pytest):
     for args, message in [(["--benchmark-gate-against=HEAD"], "needs --benchmark-gate EXPR"),
                           ([GATE, "--benchmark-gate-against=no-such-rev"], "no-such-rev"),
                           ([GATE, "--benchmark-gate-against=HEAD", "--benchmark-gate-turns=0"], "at least 1"),
-                          ([GATE, "--benchmark-gate-against=HEAD", "--benchmark-gate-turns=1", "--rounds=3"],
-                           "1 turn of 3 rounds can never decide a point"),
-                          ([GATE, "--rounds=3"], "one saved run of 3 rounds can never decide a point"),
+                          ([GATE, "--benchmark-gate-against=HEAD", "--benchmark-gate-turns=1", "--rounds=3",
+                            "--benchmark-gate-rounds=3"], "1 turn of 3 rounds can never decide a point"),
+                          ([GATE, "--rounds=2", "--benchmark-gate-rounds=3"],
+                           "one saved run of 3 rounds can never decide a point"),
+                          ([GATE, "--benchmark-gate-rounds=0"], "--benchmark-gate-rounds 0: needs at least 1"),
                           (["--benchmark-gate=stddev:5%"], "stddev is a spread"),
                           (["--benchmark-gate=mean:fast"], "Could not parse value")]:
         result = inner_pytest.runpytest_inprocess("-p", "no:cacheprovider", *args)
         assert result.ret == pytest.ExitCode.USAGE_ERROR, args
         assert message in result.stderr.str(), (args, result.stderr.str())
+
+
+def test_a_gated_run_takes_the_gates_rounds_unless_more_are_asked(inner_pytest):
+    """With 3 rounds a run, rounds of a few ms on a busy laptop hid a 2x slowdown; a gate takes 30 at least."""
+    inner_pytest.makepyfile(test_rounds="""
+from systems.bench.options import grid_of
+
+def test_rounds(request):
+    print("rounds:", grid_of(request.config).rounds)
+""")
+    for args, rounds in ([GATE, "--rounds=3"], 30), ([GATE, "--rounds=40"], 40), ([GATE, FIVE_ROUNDS], 5), ([], 5):
+        result = inner_pytest.runpytest_inprocess("-p", "no:cacheprovider", "-s", "test_rounds.py", *args)
+        assert result.ret == 0 and f"rounds: {rounds}\n" in result.stdout.str(), (args, result.stdout.str())
 
 
 GPU_BENCH = """

@@ -12,6 +12,7 @@ any run does. A point fails where it is slower, and also where the samples canno
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -29,7 +30,7 @@ from pytest_benchmark.utils import PercentageRegressionCheck, RegressionCheck, g
 
 from systems.bench import baton
 from systems.bench.history import Histories, HistoryError, LockedFileStorage, latest_per_point
-from systems.bench.options import grid_of
+from systems.bench.options import GRID, grid_of
 from systems.bench.verdicts import (CONFIDENCE, LOCATIONS, MAX_SAMPLES, NEW, UNDECIDED, Verdict, can_decide,
                                     decide)
 
@@ -37,7 +38,11 @@ BASELINE, WORK = "baseline", "working tree"
 GATE_RECORD = "systems_lab_gate"  # the gate's samples and verdicts, in the history of the run it gated
 # Options of the session that its turns must not repeat: the gate's own, and saving (only the session saves).
 _OPTIONS_WITH_VALUE = ("--benchmark-gate", "--benchmark-gate-against", "--benchmark-gate-turns",
-                       "--benchmark-save", "--benchmark-json")
+                       "--benchmark-gate-rounds", "--benchmark-save", "--benchmark-json")
+# Rounds a gated run takes at least: with 3, rounds of a few ms on a busy laptop CPU swing by several times and a
+# 2x slowdown was undecided in most gates; with 30 the rounds of unchanged code passed 20 of 20 gates at 5%
+# (docs/gate-error-rates.md).
+GATE_ROUNDS = 30
 _FLAGS = ("--benchmark-autosave", "--benchmark-gate-accept-undecided")
 _RUN_OK = (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.NO_TESTS_COLLECTED)
 Rounds = dict[str, list[float]]  # {node id: seconds of each timed round}, one run's
@@ -55,6 +60,10 @@ def add_options(parser) -> None:
     group.addoption("--benchmark-gate-turns", metavar="K", type=int, default=3,
                     help="turns of --benchmark-gate-against, each running the benchmarks once in either tree; "
                          "default 3")
+    group.addoption("--benchmark-gate-rounds", metavar="R", type=int, default=GATE_ROUNDS,
+                    help=f"a gated run times each point at least R rounds (more where --rounds asks more); default "
+                         f"{GATE_ROUNDS}, what a 5%% gate needed on a busy 2-core laptop; lower it for points of "
+                         "seconds a round")
     group.addoption("--benchmark-gate-accept-undecided", action="store_true",
                     help="pass points whose samples cannot decide (they are still listed); by default they fail")
 
@@ -74,12 +83,25 @@ def configure(config) -> None:
                                     f"moved, so it reads {', '.join(LOCATIONS)}; {check.field} is a spread")
         config.option.benchmark_autosave = get_tag()
         turns = config.getoption("benchmark_gate_turns") if against is not None else 1
-        check_decidable(turns, grid_of(config).rounds, against is not None)
+        rounds = gated_rounds(config)
+        check_decidable(turns, rounds, against is not None)
         # One Python/OS folder holds the runs of every GPU kind (H100 and H200 alike): compare like with like.
         gate = (RevisionGate(config, against, turns, check) if against is not None
                 else SavedRunGate(config, check, device_info()["gpu"]))
         config.pluginmanager.register(gate, "systems-lab-gate")
     config.pluginmanager.register(Histories(config), "systems-lab-histories")
+
+
+def gated_rounds(config) -> int:
+    """The rounds each point of a gated run takes: --rounds, raised to --benchmark-gate-rounds (the grid every
+    bench reads says so from here on)."""
+    minimum, grid = config.getoption("benchmark_gate_rounds"), grid_of(config)
+    if minimum < 1:
+        raise pytest.UsageError(f"--benchmark-gate-rounds {minimum}: needs at least 1")
+    if grid.rounds < minimum:
+        print(f"benchmark gate: {minimum} rounds a point (--benchmark-gate-rounds; --rounds asked {grid.rounds})")
+        config.stash[GRID] = dataclasses.replace(grid, rounds=minimum)
+    return grid_of(config).rounds
 
 
 def check_decidable(turns: int, rounds: int, revision: bool) -> None:
@@ -265,7 +287,7 @@ class RevisionGate(Gate):
         self.root = Path(_git(self.cwd, "rev-parse", "--show-toplevel")).resolve()
         self.commit = _git(self.root, "rev-parse", "--verify", f"{rev}^{{commit}}")
         super().__init__(config, check, f"{rev} ({self.commit[:10]})")
-        self.args = turn_args(list(config.invocation_params.args))
+        self.args = turn_args(list(config.invocation_params.args)) + [f"--rounds={grid_of(config).rounds}"]
         self.turns = turns
         self.held = ExitStack()  # the scratch folder and the baseline's worktree, until the last turn ends
         self.last: tuple[Run, baton.Baton] | None = None  # the last turn's baseline run, and the session's baton
