@@ -10,18 +10,20 @@ saved with the run.
 
 import functools
 import json
+import multiprocessing
 import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from sleep_bench import BENCH, FIVE_ROUNDS, GATE, bench, gate_rows, histories  # noqa: F401 (bench is a fixture)
+from sleep_bench import BENCH, GATE, GATE_ROUNDS, bench, gate_rows, histories  # noqa: F401 (bench is a fixture)
 from systems import report
 from systems.bench.gate import GATE_RECORD
+from systems.bench.history import LockedFileStorage
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -79,6 +81,14 @@ def test_run_that_stops_early_is_saved_as_partial(bench, inner_pytest, stop, arg
     assert [b["name"] for b in saved["benchmarks"]] == ["test_first", "test_last"][:2 if complete else 1]
 
 
+REPORTS = """
+import json, sys
+from systems.report import main
+for argv in json.loads(sys.argv[1]):
+    assert main(argv) == 0, argv
+"""
+
+
 def test_gate_and_report_skip_partial_runs(bench, inner_pytest, tmp_path):
     bench(GATE).assert_outcomes(passed=3)
     (complete,) = histories(inner_pytest)
@@ -91,12 +101,12 @@ def test_gate_and_report_skip_partial_runs(bench, inner_pytest, tmp_path):
     partial = complete.with_name(complete.name.replace("0001_", "0002_").replace(".json", "_partial.json"))
     partial.write_text(json.dumps(saved))
 
-    # The report as a user runs it: in-process, its first import of matplotlib would be undone by pytester's
-    # restore of sys.modules, and later tests would get a second copy of half of it.
+    # The report as a user runs it, both in one process: in-process, its first import of matplotlib would be undone
+    # by pytester's restore of sys.modules, and later tests would get a second copy of half of it.
     storage = inner_pytest.path / ".benchmarks"
-    for out, run in (("latest", []), ("named", ["--run", "2"])):
-        subprocess.run([sys.executable, "-m", "systems.report", "--storage", str(storage), "--out",
-                        str(tmp_path / out), *run], check=True, env=os.environ)
+    reports = [["--storage", str(storage), "--out", str(tmp_path / out), *run]
+               for out, run in (("latest", []), ("named", ["--run", "2"]))]
+    subprocess.run([sys.executable, "-c", REPORTS, json.dumps(reports)], check=True, env=os.environ)
     assert (tmp_path / "latest" / "report.md").read_text().startswith("# Benchmark report: run 0001\n")
     assert (tmp_path / "named" / "report.md").read_text().startswith("# Benchmark report: run 0002\n")
 
@@ -153,36 +163,29 @@ def test_report_without_a_complete_run_is_a_one_line_error(tmp_path, capsys):
     assert "no complete run" in err and "name one with --run" in err and err.count("\n") == 1
 
 
-SAVER = """
-import sys
-import time
-from pathlib import Path
-from types import SimpleNamespace
-
-from systems.bench.history import LockedFileStorage
-
-storage_path, writer, saves, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), Path(sys.argv[4])
-storage = LockedFileStorage(storage_path, SimpleNamespace(info=lambda message: None), "machine")
-Path(go.parent / f"ready-{writer}").touch()
-while not go.exists():  # start all writers at once
-    time.sleep(0.001)
-for i in range(saves):
-    storage.save({"writer": writer, "save": i, "benchmarks": []}, "tag")
-"""
+def save_at_once(storage_path: Path, writer: int, saves: int, ready, go) -> None:
+    """A writer of its own process: ready, then, once every writer is, `saves` saves as fast as it can."""
+    storage = LockedFileStorage(str(storage_path), SimpleNamespace(info=lambda message: None), "machine")
+    ready.release()
+    go.wait()
+    for i in range(saves):
+        storage.save({"writer": str(writer), "save": i, "benchmarks": []}, "tag")
 
 
 def test_runs_saving_at_once_get_distinct_numbers(tmp_path):
+    """Processes forked from this one (the file lock is a process's; threads would share it), started at once."""
     writers, saves = 4, 25
-    go = tmp_path / "go"
-    procs = [subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path / "storage"), str(w), str(saves), str(go)],
-                              env={**os.environ, "PYTHONPATH": str(ROOT)}, stderr=subprocess.PIPE, text=True)
+    fork = multiprocessing.get_context("fork")
+    ready, go = fork.Semaphore(0), fork.Event()
+    procs = [fork.Process(target=save_at_once, args=(tmp_path / "storage", w, saves, ready, go))
              for w in range(writers)]
-    deadline = time.monotonic() + 120
-    while len(list(tmp_path.glob("ready-*"))) < writers and time.monotonic() < deadline:
-        time.sleep(0.01)
-    go.touch()
-    errors = [proc.communicate(timeout=120)[1] for proc in procs]
-    assert [proc.returncode for proc in procs] == [0] * writers, errors
+    for proc in procs:
+        proc.start()
+    assert all(ready.acquire(timeout=120) for _ in procs)
+    go.set()
+    for proc in procs:
+        proc.join(timeout=120)
+    assert [proc.exitcode for proc in procs] == [0] * writers
     saved = sorted((tmp_path / "storage" / "machine").glob("*.json"))
     assert [int(path.name[:4]) for path in saved] == list(range(1, writers * saves + 1))
     contents = sorted((d["writer"], d["save"]) for d in (json.loads(path.read_text()) for path in saved))
@@ -212,9 +215,9 @@ def test_gate_against_a_revision_trips_on_the_slowed_point_only(repo, inner_pyte
     repo("test_sleep.py", BENCH.format(first=0.01, last=0.01))
     (inner_pytest.path / "test_sleep.py").write_text(BENCH.format(first=0.01, last=0.02))  # not committed
     monkeypatch.setenv("DRIFT", "1.5")
-    result = inner_pytest.runpytest_subprocess("-p", "no:cacheprovider", "test_sleep.py", GATE, "--benchmark-autosave",
-                                               "--benchmark-gate-against=HEAD", "--benchmark-gate-turns", "3",
-                                               "--rounds=2", "--benchmark-gate-rounds=6")
+    result = inner_pytest.runpytest_inprocess("-p", "no:cacheprovider", "test_sleep.py", GATE, "--benchmark-autosave",
+                                              "--benchmark-gate-against=HEAD", "--benchmark-gate-turns", "3",
+                                              "--rounds=2", "--benchmark-gate-rounds=6")
     assert result.ret == 1, result.stdout.str()
     assert gate_rows(result) == {"test_first": "ok", "test_last": "SLOWER"}
     assert "1 of 2 points slower than HEAD" in result.stdout.str()
@@ -252,7 +255,7 @@ from systems.bench.options import grid_of
 def test_rounds(request):
     print("rounds:", grid_of(request.config).rounds)
 """)
-    for args, rounds in ([GATE, "--rounds=3"], 30), ([GATE, "--rounds=40"], 40), ([GATE, FIVE_ROUNDS], 5), ([], 5):
+    for args, rounds in ([GATE, "--rounds=3"], 30), ([GATE, "--rounds=40"], 40), ([GATE, GATE_ROUNDS], 10), ([], 5):
         result = inner_pytest.runpytest_inprocess("-p", "no:cacheprovider", "-s", "test_rounds.py", *args)
         assert result.ret == 0 and f"rounds: {rounds}\n" in result.stdout.str(), (args, result.stdout.str())
 
