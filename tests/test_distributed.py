@@ -184,9 +184,12 @@ def test_launch_rejects_bad_arguments(bad):
         launch(sum_of_ranks, **bad, args=(1.0,))
 
 
+@pytest.mark.launch
 def test_training_under_torchrun_matches_one_process():
     """Two ranks on halves of each batch reach the losses of one process on the whole batch (both under
-    torchrun on gloo, so both on the CPU, also where a GPU is present)."""
+    torchrun on gloo, so both on the CPU, also where a GPU is present). In the launch tier: the default tier
+    launches the same entry point under torchrun as two nodes (tests/test_multinode.py), exact against one
+    process, and trains the bucketed DDP against one process in spawned ranks (tests/test_ddp.py)."""
     spec = dict(preset="tiny", variant="bucketed", bucket_size_mb=1.0, batch_size=2, context=32, warmup=0, steps=3)
     two_ranks = torchrun_losses(2, spec)
     one_process = torchrun_losses(1, spec | dict(variant="single", batch_size=4))
