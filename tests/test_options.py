@@ -149,8 +149,8 @@ def test_installed_the_plugin_is_in_any_projects_pytest(tmp_path):
 def test_a_bench_grid_is_every_combination_of_its_options(inner_pytest, bench, options, points):
     """bench_fullstep: 2 schemes x 2 fused x 2 precisions x 2 prefetches; bench_checkpoint's steps: 2 x 2."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    ran = inner_pytest.runpytest_subprocess(os.path.join(root, "benches", bench), *options, "--collect-only", "-q",
-                                            "-p", "no:cacheprovider", "-o", "python_files=bench_*.py")
+    ran = inner_pytest.runpytest_inprocess(os.path.join(root, "benches", bench), *options, "--collect-only", "-q",
+                                           "-p", "no:cacheprovider", "-o", "python_files=bench_*.py")
     assert ran.ret == pytest.ExitCode.OK, ran.stderr.str()
     assert sum("::test_" in line for line in ran.stdout.lines) == points
 

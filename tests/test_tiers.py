@@ -85,7 +85,8 @@ def test_under_xdist_a_timing_item_runs_alone(inner_pytest, tmp_path, monkeypatc
     spans.mkdir()
     monkeypatch.setenv("SPANS", str(spans))
     inner_pytest.makepyfile(test_spans=SPANS)
-    result = inner_pytest.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--tiers", "all")
+    # The controller in this process, sparing a start of torch: the workers are processes of their own anyway.
+    result = inner_pytest.runpytest_inprocess("-p", "no:cacheprovider", "-n", "2", "--tiers", "all")
     result.assert_outcomes(passed=11)
     timed = json.loads((spans / "timed").read_text())
     others = [json.loads(path.read_text()) for path in spans.glob("plain-*")]

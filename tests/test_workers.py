@@ -1,6 +1,10 @@
 """`pytest -n N`: each worker's and spawned rank's share of the cores, GPU tests that could not run named in the
 summary, benchmarks refused without GPUs, and on a GPU host items holding their GPUs alone and every worker's
-benchmarks saved as one history. The GPU runs are inner pytest runs over the GPUs this test holds."""
+benchmarks saved as one history. The GPU runs are inner pytest runs over the GPUs this test holds.
+
+The other inner runs run in this process, an inner `-n`'s controller too: its workers are processes of their own
+either way, and each process spared is a start of torch. The GPU runs keep a process of their own, as torch here
+has seen every GPU of the host, not only the ones this test holds (a lease narrows them for child processes)."""
 
 import json
 from pathlib import Path
@@ -27,7 +31,7 @@ def test_cpu(): pass
 
 def test_the_summary_names_the_gpu_tests_that_could_not_run_and_why(inner_pytest):
     inner_pytest.makepyfile(test_hardware=HARDWARE)
-    ran = inner_pytest.runpytest_subprocess("-p", "no:cacheprovider")
+    ran = inner_pytest.runpytest_inprocess("-p", "no:cacheprovider")
     gpus = torch.cuda.device_count()
     ran.assert_outcomes(passed=1 + (gpus > 0), skipped=2 - (gpus > 0))
     ran.stdout.re_match_lines([r"=+ GPU tests =+", rf"{int(gpus > 0)} ran, {2 - (gpus > 0)} could not run",
@@ -53,7 +57,7 @@ def test_workers_and_their_ranks_use_their_share_of_the_cores(inner_pytest):
     """Two workers each get half the cores this test has, and a two-rank group a worker spawns half of that: as
     threads and as Inductor compile workers."""
     inner_pytest.makepyfile(test_threads=THREADS)
-    ran = inner_pytest.runpytest_subprocess("-n", "2", "--dist", "each", "-p", "no:cacheprovider")
+    ran = inner_pytest.runpytest_inprocess("-n", "2", "--dist", "each", "-p", "no:cacheprovider")
     ran.assert_outcomes(passed=2)
     share = thread_share(available_cores(), 2)
     for worker in ("gw0", "gw1"):
@@ -71,11 +75,11 @@ def test_sum(benchmark):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU host benchmarks run under -n")
 def test_benchmarks_under_xdist_without_gpus_are_refused_before_anything_runs(inner_pytest):
     inner_pytest.makepyfile(test_bench=CPU_BENCH)
-    refused = inner_pytest.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider")
+    refused = inner_pytest.runpytest_inprocess("-n", "2", "-p", "no:cacheprovider")
     assert refused.ret == pytest.ExitCode.USAGE_ERROR
     refused.stdout.fnmatch_lines(["*benchmarks under -n need GPUs, each point timed on its own*"])
     assert "passed" not in refused.stdout.str()
-    untimed = inner_pytest.runpytest_subprocess("-n", "2", "--benchmark-disable", "-p", "no:cacheprovider")
+    untimed = inner_pytest.runpytest_inprocess("-n", "2", "--benchmark-disable", "-p", "no:cacheprovider")
     untimed.assert_outcomes(passed=1)
 
 
@@ -83,8 +87,9 @@ def test_a_workers_benchmark_reaches_the_controller_as_it_was_timed(inner_pytest
     """What a worker sends (pytest-benchmark's own record, its rounds included) becomes the controller's record of
     the same benchmark: the history written from it is the one a serial run writes."""
     inner_pytest.makepyfile(test_bench=CPU_BENCH + "    benchmark.extra_info['x'] = 1\n")
-    inner_pytest.runpytest_subprocess("-p", "no:cacheprovider", "--benchmark-json=serial.json").assert_outcomes(
-        passed=1)
+    # Timed briefly: thousands of rounds still, each of several iterations, and what counts is their record.
+    inner_pytest.runpytest_inprocess("-p", "no:cacheprovider", "--benchmark-max-time=0.05",
+                                     "--benchmark-json=serial.json").assert_outcomes(passed=1)
     [saved] = json.loads((inner_pytest.path / "serial.json").read_text())["benchmarks"]
     metadata = _metadata(saved)
     assert isinstance(metadata, Metadata) and metadata.fullname == saved["fullname"]
