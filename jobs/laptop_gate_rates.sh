@@ -3,7 +3,8 @@
 # against HEAD from a clone of HEAD with a slowdown planted, each gate's samples saved with its run, then replayed
 # at fewer turns (python -m systems.bench.gate_rates replay).
 #   jobs/laptop_gate_rates.sh OUT GATES TURNS PLANT [ROUNDS]   PLANT: none, sleep (0.3 s in TransformerLM.forward)
-#                                                  or twice (forward_loss runs the model twice: 2x); ROUNDS: 3
+#                                                  or twice (forward_loss runs the model twice: 2x); ROUNDS: 3,
+#                                                  the issue's --rounds (a gate takes --benchmark-gate-rounds, 30, at least)
 set -euo pipefail
 out=$(realpath -m "$1") gates=$2 turns=$3 plant=$4 rounds=${5:-3}
 root=$(git rev-parse --show-toplevel)
