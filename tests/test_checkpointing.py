@@ -3,11 +3,14 @@ that systems.accounting predicts for it, checked against autograd's saved tensor
 FLOP counter."""
 
 import dataclasses
+import functools
+import itertools
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from covering import pairwise
 from memory_probes import cpu_peak_bytes, saved_tensor_bytes, training_peaks
 from systems.accounting import (Flops, activation_memory, checkpointed, largest_context, model_state, nested_checkpoint,
                                 peak_memory, recomputed_flops)
@@ -27,7 +30,17 @@ BLOCK_BOUND = TransformerConfig(d_model=64, d_ff=256, num_layers=6, num_heads=4,
 
 
 def levels_id(levels):
-    return "x".join(map(str, levels))
+    return "x".join(map(str, levels)) or "none"
+
+
+def grid(precision_names: tuple[str, ...], attentions: tuple[str, ...], levels: list) -> list:
+    """(levels, attention, precision) parameters over the whole grid: a covering array of it (tests/covering.py)
+    in the default tier, the rest in the slow tier."""
+    dimensions = (precision_names, attentions, levels)
+    covering = pairwise(*dimensions)
+    return [pytest.param(levels, attention, PRECISIONS[precision], id=f"{precision}-{attention}-{levels_id(levels)}",
+                         marks=[] if (precision, attention, levels) in covering else [pytest.mark.slow])
+            for precision, attention, levels in itertools.product(*dimensions)]
 
 
 def loss_and_grads(model, tokens, targets, precision):
@@ -37,9 +50,7 @@ def loss_and_grads(model, tokens, targets, precision):
     return loss.detach(), [p.grad for p in model.parameters()]
 
 
-@pytest.mark.parametrize("levels", LEVELS, ids=levels_id)
-@pytest.mark.parametrize("attention", ["naive", "sdpa"])
-@pytest.mark.parametrize("precision", precisions("fp32", "bf16"))
+@pytest.mark.parametrize("levels, attention, precision", grid(("fp32", "bf16"), ("naive", "sdpa"), LEVELS))
 def test_same_loss_and_gradients_as_without_checkpointing(levels, attention, precision):
     """Exactly equal: the recomputation runs the same ops on the same inputs, and the CPU kernels are
     deterministic, so every recomputed tensor is bit for bit the one the forward made; the backward then runs
@@ -84,9 +95,8 @@ def test_recomputation_runs_module_hooks_again():
     assert calls == {name: 1 if name == "lm_head" else 2 for name in calls}
 
 
-@pytest.mark.parametrize("levels", [(), *LEVELS], ids=lambda levels: levels_id(levels) or "none")
-@pytest.mark.parametrize("attention", ["naive", "sdpa", "flash"])
-@pytest.mark.parametrize("precision", precisions("fp32", "bf16", "bf16-weights"))
+@pytest.mark.parametrize("levels, attention, precision",
+                         grid(("fp32", "bf16", "bf16-weights"), ("naive", "sdpa", "flash"), [(), *LEVELS]))
 def test_saved_activations_match_autograd(levels, attention, precision):
     """Autograd keeps each outermost segment's input and nothing its blocks save (the saved-tensor hooks see
     the inputs, which checkpointing saves for the backward, and none of the tensors saved inside a segment)."""
@@ -102,22 +112,22 @@ def test_saved_activations_match_autograd(levels, attention, precision):
     assert saved_tensor_bytes(model, tokens, targets, precision) == predicted.total + copies
 
 
-@pytest.mark.parametrize("levels", [(), (1,), (2,), (4,), (6,), (3, 1), (4, 2), (5, 2)],
-                         ids=lambda levels: levels_id(levels) or "none")
-@pytest.mark.parametrize("attention", ["naive", "sdpa"])
-@pytest.mark.parametrize("precision", precisions("fp32", "bf16", "bf16-weights"))
+@pytest.mark.parametrize("levels, attention, precision", grid(("fp32", "bf16", "bf16-weights"), ("naive", "sdpa"),
+                                                             [(), (1,), (2,), (4,), (6,), (3, 1), (4, 2), (5, 2)]))
 def test_peak_memory_matches_cpu_allocations(levels, attention, precision):
     """The peak during the backward: the kept segment inputs, one segment recomputed (and inside a nested one,
     its inner inputs and one inner segment) and the gradients so far. Tolerance as in test_accounting."""
     config = dataclasses.replace(BLOCK_BOUND, attention=attention, checkpoint=levels)
     batch_size, seq = 2, 64
-    measured = training_peaks(config, batch_size, seq, precision)
+    measured = training_peaks(config, batch_size, seq, precision, inference=False)
     predicted = peak_memory(config, batch_size, seq, precision, device="cpu")
     for moment in ("forward", "forward_backward", "train_step"):
         assert measured[moment] == pytest.approx(getattr(predicted, moment), rel=0.02), moment
 
 
-@pytest.mark.parametrize("levels", [(), (1,), (2,), (3, 1)], ids=lambda levels: levels_id(levels) or "none")
+@pytest.mark.parametrize("levels", [
+    # Without checkpointing this is test_accounting's attention-bound case, which the default tier runs.
+    pytest.param((), marks=pytest.mark.slow), (1,), (2,), (3, 1)], ids=levels_id)
 @pytest.mark.parametrize("precision", precisions("fp32", "bf16", "bf16-weights"))
 def test_written_out_attention_peaks_match_cpu_allocations(levels, precision):
     """Attention's transients on top of what is held: the forward peaks inside the top block's attention (under
@@ -126,7 +136,7 @@ def test_written_out_attention_peaks_match_cpu_allocations(levels, precision):
     the block's FFN activations freed by then. Tolerance as in test_accounting."""
     config = dataclasses.replace(ATTENTION_BOUND, checkpoint=levels)
     batch_size, seq = 2, config.context_length
-    measured = training_peaks(config, batch_size, seq, precision)
+    measured = training_peaks(config, batch_size, seq, precision, inference=False)
     predicted = peak_memory(config, batch_size, seq, precision, device="cpu")
     for moment in ("forward", "forward_backward", "train_step"):
         assert measured[moment] == pytest.approx(getattr(predicted, moment), rel=0.02), moment
@@ -155,24 +165,32 @@ def test_nested_checkpointing_peaks_below_every_one_level_scheme():
     assert state.params + state.buffers + peak == pytest.approx(predicted.forward_backward, rel=0.02)
 
 
+def counted_flops(config: TransformerConfig, batch_size: int, seq: int) -> int:
+    """The FLOP counter's total over a forward and backward of `config`'s model (which depends on the shapes only,
+    not on the weights or tokens)."""
+    model = TransformerLM(config)
+    tokens, targets = random_batch(config, batch_size, seq, CPU)
+    with FlopCounterMode(display=False) as counter:
+        cross_entropy(model(tokens), targets).backward()
+    return counter.get_total_flops()
+
+
+# Counted once for each config without checkpointing: every scheme's test here and in
+# test_selective_checkpointing subtracts it.
+counted_flops_once = functools.cache(counted_flops)
+
+
 @pytest.mark.parametrize("levels", LEVELS, ids=levels_id)
 @pytest.mark.parametrize("attention", ["naive", "sdpa"])
 def test_recomputed_flops_match_flop_counter(levels, attention):
     config = get_config("tiny", attention=attention, num_layers=5)
-    model = TransformerLM(config)
     batch_size, seq = 2, 32
-    tokens, targets = random_batch(config, batch_size, seq, CPU)
-
-    def counted(levels):
-        model.config = dataclasses.replace(config, checkpoint=levels)
-        with FlopCounterMode(display=False) as counter:
-            cross_entropy(model(tokens), targets).backward()
-        return counter.get_total_flops()
-
-    predicted = recomputed_flops(dataclasses.replace(config, checkpoint=levels), batch_size, seq)
+    checkpointing = dataclasses.replace(config, checkpoint=levels)
+    predicted = recomputed_flops(checkpointing, batch_size, seq)
     # The counter has no formula for the CPU SDPA kernel; written-out attention computes the masked half too.
     attention_flops = 2 * predicted.attention if attention == "naive" else 0
-    assert counted(levels) - counted(()) == predicted.projections + attention_flops
+    recomputed = counted_flops(checkpointing, batch_size, seq) - counted_flops_once(config, batch_size, seq)
+    assert recomputed == predicted.projections + attention_flops
     assert recomputed_flops(config, batch_size, seq) == Flops(0, 0, 0)
 
 

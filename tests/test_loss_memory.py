@@ -2,16 +2,19 @@
 and fused, against the tensors autograd saves, the CPU allocator's peaks and, on a GPU, torch.cuda's."""
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
 
+from covering import pairwise
 from memory_probes import cuda_phase_peak, saved_tensor_bytes, training_peaks
 from test_accounting import precisions
 from systems.accounting import activation_memory, kept_weight_copies, model_state, peak_memory
 from systems.kernels.launch import interpreted as kernels_interpreted
 from systems.model import TransformerConfig
 from systems.optim import AdamW
+from systems.precision import PRECISIONS
 from systems.step import make_model, random_batch
 
 # A vocabulary large next to the blocks, so that the loss's logits decide the peaks; 2 x 64 tokens. Written-out
@@ -52,9 +55,18 @@ def test_saved_tensors_match_autograd(loss, precision, device):
                                                                                                         precision)
 
 
-@pytest.mark.parametrize("precision", precisions("fp32", "bf16", "bf16-weights"))
-@pytest.mark.parametrize("checkpoint", [(), (1,)], ids=["none", "every1"])
-@pytest.mark.parametrize("loss", EAGER_CHUNKED)
+def chunked_peak_cases() -> list:
+    """(loss, checkpoint, precision) parameters, every eager chunked loss with and without checkpointing in each
+    precision: a covering array of them (tests/covering.py) in the default tier, the rest in the slow tier."""
+    checkpoints = {"none": (), "every1": (1,)}
+    grid = (EAGER_CHUNKED, list(checkpoints), ["fp32", "bf16", "bf16-weights"])
+    covering = pairwise(*grid)
+    return [pytest.param(loss, checkpoints[checkpoint], PRECISIONS[precision], id=f"{loss}-{checkpoint}-{precision}",
+                         marks=[] if (loss, checkpoint, precision) in covering else [pytest.mark.slow])
+            for loss, checkpoint, precision in itertools.product(*grid)]
+
+
+@pytest.mark.parametrize("loss, checkpoint, precision", chunked_peak_cases())
 def test_chunked_peaks_match_cpu_allocations(loss, checkpoint, precision):
     """The forward peaks in a chunk's logsumexp (its fp32 logits and their exponentials), the backward in a chunk's
     term of the head's weight gradient (the logits' gradient beside the term and its fp32 promotion). Tolerances

@@ -8,16 +8,15 @@ import json
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode
 
 from memory_probes import saved_tensor_bytes, training_peaks
 from spawned_ranks import results_by_rank
-from test_checkpointing import BLOCK_BOUND, CPU, linear_calls, loss_and_grads
+from test_checkpointing import (BLOCK_BOUND, CPU, counted_flops, counted_flops_once, linear_calls,
+                                loss_and_grads)
 from systems.accounting import (activation_memory, checkpointed, kept_weight_copies, nested_checkpoint, peak_memory,
                                 recomputed_flops)
 from systems.accounting.checkpointing import held_in_backward
 from systems.levers.checkpointing import Checkpointing
-from systems.loss import cross_entropy
 from systems.model import Fused, TransformerConfig, TransformerLM, get_config
 from systems.parallel.fsdp import FSDP
 from systems.parallel.ranks import rank_device
@@ -154,7 +153,7 @@ def test_peak_memory_matches_cpu_allocations(scheme, attention, precision):
     recomputation never takes. Tolerance as in test_accounting."""
     batch_size, seq = 2, 64
     config = scheme_config(BLOCK_BOUND, scheme, batch_size, seq, precision)
-    measured = training_peaks(config, batch_size, seq, precision)
+    measured = training_peaks(config, batch_size, seq, precision, inference=False)
     predicted = peak_memory(config, batch_size, seq, precision, device="cpu")
     for moment in ("forward", "forward_backward", "train_step"):
         assert measured[moment] == pytest.approx(getattr(predicted, moment), rel=0.02), moment
@@ -180,21 +179,13 @@ def test_recomputed_flops_match_flop_counter(scheme, attention):
     """The blocks left out are not recomputed; under op-level selection the matmuls (ops) and SDPA's kernel (both)
     are not either. Written-out attention's matmuls are recomputed in both."""
     config = get_config("tiny", attention=attention, num_layers=5)
-    model = TransformerLM(config)
     batch_size, seq = 2, 32
-    tokens, targets = random_batch(config, batch_size, seq, CPU)
     resolved = scheme_config(config, scheme, batch_size, seq)
-
-    def counted(config):
-        model.config = config
-        with FlopCounterMode(display=False) as counter:
-            cross_entropy(model(tokens), targets).backward()
-        return counter.get_total_flops()
-
     predicted = recomputed_flops(resolved, batch_size, seq, device="cpu")
     # The counter has no formula for the CPU SDPA kernel; written-out attention computes the masked half too.
     attention_flops = 2 * predicted.attention if attention == "naive" else 0
-    assert counted(resolved) - counted(config) == predicted.projections + attention_flops
+    recomputed = counted_flops(resolved, batch_size, seq) - counted_flops_once(config, batch_size, seq)
+    assert recomputed == predicted.projections + attention_flops
 
 
 def test_nested_levels_are_chosen_over_the_checkpointed_blocks():
