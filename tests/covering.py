@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
+
 
 def pairwise(*dimensions: tuple) -> list[tuple]:
     """Cases of the grid covering every pair of values of any two dimensions, chosen greedily (each the case that
@@ -18,6 +20,13 @@ def pairwise(*dimensions: tuple) -> list[tuple]:
         chosen.append(best)
         uncovered -= _pairs(best)
     return sorted(chosen, key=grid.index)
+
+
+def tiered(*dimensions: tuple) -> list[tuple[tuple, list]]:
+    """Every case of the grid, in its order, with its marks: none in the covering array (the default tier), the
+    slow tier's otherwise."""
+    covering = pairwise(*dimensions)
+    return [(case, [] if case in covering else [pytest.mark.slow]) for case in itertools.product(*dimensions)]
 
 
 def _pairs(case: tuple) -> frozenset:

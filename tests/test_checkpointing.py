@@ -4,13 +4,12 @@ FLOP counter."""
 
 import dataclasses
 import functools
-import itertools
 
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from covering import pairwise
+from covering import tiered
 from memory_probes import cpu_peak_bytes, saved_tensor_bytes, training_peaks
 from systems.accounting import (Flops, activation_memory, checkpointed, largest_context, model_state, nested_checkpoint,
                                 peak_memory, recomputed_flops)
@@ -36,11 +35,9 @@ def levels_id(levels):
 def grid(precision_names: tuple[str, ...], attentions: tuple[str, ...], levels: list) -> list:
     """(levels, attention, precision) parameters over the whole grid: a covering array of it (tests/covering.py)
     in the default tier, the rest in the slow tier."""
-    dimensions = (precision_names, attentions, levels)
-    covering = pairwise(*dimensions)
     return [pytest.param(levels, attention, PRECISIONS[precision], id=f"{precision}-{attention}-{levels_id(levels)}",
-                         marks=[] if (precision, attention, levels) in covering else [pytest.mark.slow])
-            for precision, attention, levels in itertools.product(*dimensions)]
+                         marks=marks)
+            for (precision, attention, levels), marks in tiered(precision_names, attentions, levels)]
 
 
 def loss_and_grads(model, tokens, targets, precision):

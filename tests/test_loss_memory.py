@@ -2,12 +2,11 @@
 and fused, against the tensors autograd saves, the CPU allocator's peaks and, on a GPU, torch.cuda's."""
 
 import dataclasses
-import itertools
 
 import pytest
 import torch
 
-from covering import pairwise
+from covering import tiered
 from memory_probes import cuda_phase_peak, saved_tensor_bytes, training_peaks
 from test_accounting import precisions
 from systems.accounting import activation_memory, kept_weight_copies, model_state, peak_memory
@@ -59,11 +58,10 @@ def chunked_peak_cases() -> list:
     """(loss, checkpoint, precision) parameters, every eager chunked loss with and without checkpointing in each
     precision: a covering array of them (tests/covering.py) in the default tier, the rest in the slow tier."""
     checkpoints = {"none": (), "every1": (1,)}
-    grid = (EAGER_CHUNKED, list(checkpoints), ["fp32", "bf16", "bf16-weights"])
-    covering = pairwise(*grid)
     return [pytest.param(loss, checkpoints[checkpoint], PRECISIONS[precision], id=f"{loss}-{checkpoint}-{precision}",
-                         marks=[] if (loss, checkpoint, precision) in covering else [pytest.mark.slow])
-            for loss, checkpoint, precision in itertools.product(*grid)]
+                         marks=marks)
+            for (loss, checkpoint, precision), marks in tiered(EAGER_CHUNKED, list(checkpoints),
+                                                               ["fp32", "bf16", "bf16-weights"])]
 
 
 @pytest.mark.parametrize("loss, checkpoint, precision", chunked_peak_cases())
