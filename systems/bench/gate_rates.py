@@ -79,6 +79,7 @@ def run_rounds(make: Callable[[], Callable[[], None]], rounds: int, sleep_cycles
 def cycles_per_second() -> float:
     """How many torch.cuda._sleep cycles make a second on this GPU, measured."""
     cycles = 10_000_000
+    torch.cuda._sleep(1)  # loads the kernel: a first call's lazy module load would count as sleep
     torch.cuda.synchronize()
     start = time.perf_counter()
     torch.cuda._sleep(cycles)
