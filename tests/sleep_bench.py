@@ -3,6 +3,7 @@ run it: `bench(*args, **env)` runs pytest there, with the plugin, SLOWDOWN* and 
 rounds at ten."""
 
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -58,9 +59,7 @@ GATE_ROUNDS = "--benchmark-gate-rounds=10"
 
 @pytest.fixture
 def bench(inner_pytest, monkeypatch):
-    """A project with BENCH, run with the plugin; `bench(*args, **env)` runs pytest there with env set: in this
-    process (seconds cheaper than a new one, which imports torch again), but in a process of its own where the run
-    interrupts itself."""
+    """A project with BENCH, run with the plugin; `bench(*args, **env)` runs pytest there with env set."""
     inner_pytest.makepyfile(test_sleep=BENCH.format(first=0.01, last=0.01))
 
     def run(*args, **env):
@@ -68,10 +67,19 @@ def bench(inner_pytest, monkeypatch):
             monkeypatch.delenv(name, raising=False)
         for name, value in env.items():
             monkeypatch.setenv(name, str(value))
-        run = inner_pytest.runpytest_subprocess if env.get("STOP") == "interrupt" else inner_pytest.runpytest_inprocess
-        return run("-p", "no:cacheprovider", GATE_ROUNDS, *args)
+        return run_inprocess(inner_pytest, "-p", "no:cacheprovider", GATE_ROUNDS, *args)
 
     return run
+
+
+def run_inprocess(pytester, *args):
+    """pytest in this process (seconds cheaper than a new one, which imports torch again). A run that interrupts
+    itself ends as INTERRUPTED, as a user's Ctrl-C ends it, and the SIGINT handler its test set goes with it."""
+    handler = signal.getsignal(signal.SIGINT)
+    try:
+        return pytester.runpytest_inprocess(*args, no_reraise_ctrlc=True)
+    finally:
+        signal.signal(signal.SIGINT, handler)
 
 
 def histories(pytester) -> list[Path]:

@@ -7,7 +7,7 @@ import json
 import pytest
 from pytest_benchmark.utils import get_machine_id
 
-from sleep_bench import BENCH, GATE, bench, histories  # noqa: F401 (bench is a fixture)
+from sleep_bench import BENCH, GATE, bench, histories, run_inprocess  # noqa: F401 (bench is a fixture)
 from systems.bench.schema import SCHEMA
 
 CORRUPTIONS = {
@@ -97,7 +97,7 @@ def test_never_reached(benchmark):
 
 def test_an_interrupt_in_a_points_warmup_keeps_the_finished_points_as_a_partial_run(inner_pytest):
     inner_pytest.makepyfile(test_warm=WARMUP)
-    ran = inner_pytest.runpytest_subprocess("-p", "no:cacheprovider", "--benchmark-autosave")
+    ran = run_inprocess(inner_pytest, "-p", "no:cacheprovider", "--benchmark-autosave")
     assert ran.ret == pytest.ExitCode.INTERRUPTED
     assert "min() arg is an empty sequence" not in ran.stdout.str() + ran.stderr.str()
     [history] = histories(inner_pytest)

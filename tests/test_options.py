@@ -4,8 +4,6 @@ selects nothing a usage error at start-up naming the option, and the plugin visi
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 from importlib.metadata import entry_points
 
 import pytest
@@ -131,11 +129,10 @@ def test_an_option_of_one_bench_does_not_stop_another(inner_pytest):
 
 @pytest.mark.skipif(not any(ep.name == "systems.bench.plugin" for ep in entry_points(group="pytest11")),
                     reason="the package is not installed (pip install -e .), so no entry point registers the plugin")
-def test_installed_the_plugin_is_in_any_projects_pytest(tmp_path):
-    """A course repository gets the options without a conftest of ours: the pytest11 entry point loads it."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
-    help_text = subprocess.run([sys.executable, "-m", "pytest", "--help"], cwd=tmp_path, env=env,
-                               capture_output=True, text=True, timeout=300).stdout
+def test_installed_the_plugin_is_in_any_projects_pytest(pytester):
+    """A course repository gets the options without a conftest of ours and without -p: the pytest11 entry point
+    loads it (into a pytest run in this process, whose plugins are its own)."""
+    help_text = pytester.runpytest_inprocess("--help").stdout.str()
     assert "what the benchmarks sweep" in help_text and "--presets=PRESETS" in help_text
     assert "--benchmark-gate-against=REV" in help_text
 

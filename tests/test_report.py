@@ -8,6 +8,7 @@ import matplotlib.image
 import pytest
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 
+import systems.report
 from histories import MACHINE, TESTS, allreduce_measured, config, entry, phases, rate, save_run, step_breakdown
 from systems.accounting import BucketedAllReduce, count_parameters, peak_memory
 from systems.bench.predictions import predicted_peak_mb
@@ -96,6 +97,13 @@ def distributed_benchmarks() -> list[dict]:
     return out
 
 
+@pytest.fixture
+def tables_only(monkeypatch):
+    """The report without its plots, for tests of which tables a run gets: a figure takes a second to draw, and
+    each kind's figures are drawn and checked in the tests of the plots."""
+    monkeypatch.setattr(systems.report, "build_plots", lambda run, out: [])
+
+
 def report(tmp_path, *args) -> tuple[int, pathlib.Path]:
     out = tmp_path / "report"
     return main(["--storage", str(tmp_path / "storage"), "--out", str(out), *args]), out
@@ -181,7 +189,7 @@ def test_tables_select_by_point_kind_not_by_test_name(tmp_path):
     assert not list(out.glob("*renamed*")) and not list(out.glob("test_phases_of_a_step*"))
 
 
-def test_bucket_sweep_shows_the_bucket_model(tmp_path):
+def test_bucket_sweep_shows_the_bucket_model(tmp_path, tables_only):
     save_run(tmp_path / "storage", 1, distributed_benchmarks())
     code, out = report(tmp_path)
     assert code == 0
@@ -373,7 +381,7 @@ def test_benchmarks_without_points_get_a_table_of_their_own(tmp_path):
     assert table_rows(out / "test_thing.md") == [["a", "0.5", "1", "3 ± 0.15"]]
 
 
-def test_compare_flags_regressions(tmp_path):
+def test_compare_flags_regressions(tmp_path, tables_only):
     storage = tmp_path / "storage"
     save_run(storage, 1, model_benchmarks(), stamp="20260101_120000")
     slower = model_benchmarks()
@@ -391,7 +399,7 @@ def test_compare_flags_regressions(tmp_path):
     assert "1 of 27 benchmarks slower by more than 10%" in text and "Only in run 0001: 1 of test_warmup_study" in text
 
 
-def test_latest_run_and_machine_by_default(tmp_path):
+def test_latest_run_and_machine_by_default(tmp_path, tables_only):
     storage = tmp_path / "storage"
     save_run(storage, 1, model_benchmarks(), stamp="20260101_120000")
     save_run(storage, 2, distributed_benchmarks(), stamp="20260102_120000")
@@ -406,7 +414,7 @@ def test_latest_run_and_machine_by_default(tmp_path):
     assert (out / "attention_flash.md").exists()
 
 
-def test_runs_saved_in_chunks_merge_and_later_runs_win(tmp_path):
+def test_runs_saved_in_chunks_merge_and_later_runs_win(tmp_path, tables_only):
     storage = tmp_path / "storage"
     save_run(storage, 1, attention_benchmarks(), oom=OOM[1:2], stamp="20260101_120000")  # naive d128 ran out
     save_run(storage, 2, model_benchmarks(), stamp="20260102_120000")

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from systems.bench.schedule import longest_first, predict
+from systems.bench.schedule import CACHE_KEY, longest_first, predict
 
 
 def item(nodeid: str, group: str | None = None, slow: bool = False):
@@ -42,37 +42,47 @@ import pytest
 def run(name, seconds):
     start = time.monotonic()
     time.sleep(seconds)
-    record = [os.environ["PYTEST_XDIST_WORKER"], start, time.monotonic()]
+    record = [os.environ.get("PYTEST_XDIST_WORKER"), start, time.monotonic()]
     Path(os.environ["SPANS"], name).write_text(json.dumps(record))
 
 @pytest.mark.parametrize("i", range(3))
 @pytest.mark.xdist_group("many")
 def test_many(i):
-    run(f"many-{i}", 0.05)
+    run(f"many-{i}", 0.3)
 
 @pytest.mark.parametrize("i", range(4))
 def test_single(i):
-    run(f"single-{i}", 0.2)
+    run(f"single-{i}", 0.15)
 
 @pytest.mark.xdist_group("long")
 def test_long():
     run("long", 1.5)
 """
+# Each item's unit as a run records it: its xdist group, else the item itself. By their seconds the long test comes
+# first (1.5 s), then the group of three (0.9 s), then the single tests (0.6 s as their module): handed out item by
+# item, the group would be split between the two workers.
+UNITS = {**{f"test_units.py::test_many[{i}]": "many" for i in range(3)},
+         **{f"test_units.py::test_single[{i}]": f"test_units.py::test_single[{i}]" for i in range(4)},
+         "test_units.py::test_long": "long"}
 
 
 def test_under_xdist_a_group_shares_a_worker_and_the_longest_unit_starts_first(inner_pytest, tmp_path, monkeypatch):
-    """The second run starts the long test first, by the seconds the first recorded: not by the number of tests
-    (xdist's own order for groups, which starts the group of three), nor in the file's order."""
+    """A run records each item's seconds and unit; the run under xdist after it starts the long test first, by
+    those seconds: not by the number of tests (xdist's own order for groups, which starts the group of three), nor
+    in the file's order. The first run is serial, sparing two workers' starts of torch: it records the units of its
+    own items, the xdist run's controller those of its workers' groups."""
     inner_pytest.makepyfile(test_units=PROJECT)
-    starts = []
-    for run in ("first", "second"):
+    recorded = []
+    for run, args in ("serial", []), ("xdist", ["-n", "2"]):
         spans = tmp_path / run
         spans.mkdir()
         monkeypatch.setenv("SPANS", str(spans))
         # The controller in this process, sparing a start of torch: the workers are processes of their own anyway.
-        inner_pytest.runpytest_inprocess("-n", "2").assert_outcomes(passed=8)
-        ran = {path.name: json.loads(path.read_text()) for path in spans.iterdir()}
-        assert len({ran[f"many-{i}"][0] for i in range(3)}) == 1  # one worker ran the group
-        starts.append(ran["long"][1] - min(start for _, start, _ in ran.values()))
-    assert starts[0] > 0.35  # after two single tests at least: the first run has nothing recorded
-    assert starts[1] == pytest.approx(0, abs=0.3)
+        inner_pytest.runpytest_inprocess(*args).assert_outcomes(passed=8)
+        recorded.append(json.loads((inner_pytest.path / ".pytest_cache" / "v" / CACHE_KEY).read_text()))
+        assert {nodeid: unit for nodeid, (_, unit) in recorded[-1].items()} == UNITS
+    assert recorded[0]["test_units.py::test_long"][0] >= 1.5
+    assert all(recorded[1][nodeid][0] != recorded[0][nodeid][0] for nodeid in UNITS)  # every item recorded anew
+    ran = {path.name: json.loads(path.read_text()) for path in (tmp_path / "xdist").iterdir()}
+    assert len({ran[f"many-{i}"][0] for i in range(3)}) == 1  # one worker ran the group
+    assert ran["long"][1] - min(start for _, start, _ in ran.values()) == pytest.approx(0, abs=0.3)

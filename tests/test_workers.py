@@ -7,14 +7,16 @@ either way, and each process spared is a start of torch. The GPU runs keep a pro
 has seen every GPU of the host, not only the ones this test holds (a lease narrows them for child processes)."""
 
 import json
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from pytest_benchmark.stats import Metadata
 
-from systems.bench.leases import available_cores, thread_share, visible_gpus, worker_gpus
+from systems.bench.leases import visible_gpus, worker_gpus
 from systems.bench.workers import _metadata
+from systems.parallel.ranks import launch
 
 HARDWARE = """
 import pytest
@@ -40,30 +42,42 @@ def test_the_summary_names_the_gpu_tests_that_could_not_run_and_why(inner_pytest
 
 THREADS = """
 import json, os, torch
-from systems.parallel.ranks import launch
-
-def threads():
-    from torch._inductor.config import compile_threads
-    return torch.get_num_threads(), compile_threads
 
 def test_threads():
-    record = dict(worker=threads(), omp=os.environ["OMP_NUM_THREADS"], ranks=launch(threads, 2))
+    budgets = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCHINDUCTOR_COMPILE_THREADS")
     with open(os.environ["PYTEST_XDIST_WORKER"] + ".json", "w") as file:
-        json.dump(record, file)
+        json.dump([torch.get_num_threads(), *map(os.environ.get, budgets)], file)
 """
+WORKER_BUDGETS = {"OMP_NUM_THREADS": "4", "MKL_NUM_THREADS": "4", "TORCHINDUCTOR_COMPILE_THREADS": "4"}
 
 
-def test_workers_and_their_ranks_use_their_share_of_the_cores(inner_pytest):
-    """Two workers each get half the cores this test has, and a two-rank group a worker spawns half of that: as
-    threads and as Inductor compile workers."""
+def rank_threads() -> list:
+    from torch._inductor import config  # the size of Inductor's pool of compile workers
+
+    return [torch.get_num_threads(), os.environ["OMP_NUM_THREADS"], config.compile_threads]
+
+
+def test_workers_and_their_ranks_use_their_share_of_the_cores(inner_pytest, monkeypatch):
+    """Two workers each get half the cores, and a two-rank group a worker spawns half of that: as torch's threads,
+    as the budgets a worker hands down (OpenMP's, MKL's, Inductor's; Inductor reads its own where it is first used)
+    and as a rank's pool of Inductor's compile workers. A budget of 8 cores, as a parent would hand down, so that
+    every share differs whatever this host has."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "8")
     inner_pytest.makepyfile(test_threads=THREADS)
     ran = inner_pytest.runpytest_inprocess("-n", "2", "--dist", "each", "-p", "no:cacheprovider")
     ran.assert_outcomes(passed=2)
-    share = thread_share(available_cores(), 2)
     for worker in ("gw0", "gw1"):
-        record = json.loads((inner_pytest.path / f"{worker}.json").read_text())
-        ranks = max(1, share // 2)
-        assert record == {"worker": [share, share], "omp": str(share), "ranks": [[ranks, ranks]] * 2}
+        assert json.loads((inner_pytest.path / f"{worker}.json").read_text()) == [4, *WORKER_BUDGETS.values()]
+    # A worker's ranks, spawned from this process as a worker is: ranks fork from a server that this process has
+    # mostly started already, for an earlier test's ranks, where a worker would start its own.
+    for name, budget in WORKER_BUDGETS.items():
+        monkeypatch.setenv(name, budget)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        assert launch(rank_threads, 2) == [[2, "2", 2]] * 2
+    finally:
+        torch.set_num_threads(threads)
 
 
 CPU_BENCH = """
@@ -75,11 +89,12 @@ def test_sum(benchmark):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU host benchmarks run under -n")
 def test_benchmarks_under_xdist_without_gpus_are_refused_before_anything_runs(inner_pytest):
     inner_pytest.makepyfile(test_bench=CPU_BENCH)
-    refused = inner_pytest.runpytest_inprocess("-n", "2", "-p", "no:cacheprovider")
+    # One worker: what is refused is any worker's timing, and each worker is a start of torch.
+    refused = inner_pytest.runpytest_inprocess("-n", "1", "-p", "no:cacheprovider")
     assert refused.ret == pytest.ExitCode.USAGE_ERROR
     refused.stdout.fnmatch_lines(["*benchmarks under -n need GPUs, each point timed on its own*"])
     assert "passed" not in refused.stdout.str()
-    untimed = inner_pytest.runpytest_inprocess("-n", "2", "--benchmark-disable", "-p", "no:cacheprovider")
+    untimed = inner_pytest.runpytest_inprocess("-n", "1", "--benchmark-disable", "-p", "no:cacheprovider")
     untimed.assert_outcomes(passed=1)
 
 

@@ -3,7 +3,7 @@
 `launch(fn, world_size)` runs `fn(*args)` on every rank of a fresh process group (gloo on CPUs,
 NCCL with one GPU per rank) and returns the ranks' return values in rank order. `RankPool` keeps
 such a group alive to run one function after another, so a benchmark grid pays for starting ranks
-and rendezvous once; ranks fork from a server that imported torch once (`_rank_context`). Neither
+and rendezvous once; ranks fork from a server that imported torch and Dynamo once (`_rank_context`). Neither
 ever hangs or leaves a process behind: a rank that raises fails the call with its traceback, ranks
 that do not finish in time have their stacks dumped to stderr and are killed, and after a failure
 every process is reaped before the error reaches the caller.
@@ -227,13 +227,14 @@ def _init_group(backend: str, local_rank: int, timeout: float, **rendezvous) -> 
 
 
 def _rank_context():
-    """Ranks fork from a server process that has imported torch once (multiprocessing's forkserver), so a pool
-    starts in a fork rather than in fresh interpreters each importing torch: seconds a pool on a small host. The
-    server imports torch alone, which initializes no GPU: a forked child could not use one that was. A rank takes
-    the environment and the standard output and error of the process that starts it, as a spawned one would
-    (`_serve`, `_Inherited`), not the server's, and leaves when that process ends (`_exit_when_closed`)."""
+    """Ranks fork from a server process that has imported torch and Dynamo once (multiprocessing's forkserver), so
+    a pool starts in a fork rather than in fresh interpreters each importing them: seconds a rank on a small host
+    (Dynamo loads at the first torch optimizer a rank builds, or FSDP). Neither import initializes a GPU: a forked
+    child could not use one that was. A rank takes the environment and the standard output and error of the
+    process that starts it, as a spawned one would (`_serve`, `_Inherited`), not the server's, and leaves when that
+    process ends (`_exit_when_closed`)."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch"])
+    context.set_forkserver_preload(["torch", "torch._dynamo"])
     return context
 
 
@@ -269,6 +270,9 @@ def _serve(rank, world_size, backend, store_path, timeout, threads, jobs, result
     # Inductor compile workers (else a pool of up to 32 processes each, on the first torch.compile).
     torch.set_num_threads(threads)
     os.environ["OMP_NUM_THREADS"] = os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(threads)
+    from torch._inductor import config  # came from the server with Dynamo, sized by the server's environment
+
+    config.compile_threads = threads
     try:
         _init_group(backend, rank, timeout, store=dist.FileStore(store_path, world_size),
                     rank=rank, world_size=world_size)

@@ -190,6 +190,8 @@ def _figure(plt, title: str, xlabel: str, panels: list[tuple[str, Series]], colu
 def _spread(fig, texts: list) -> None:
     """Move each label to the nearest free line above or below its point, inside its panel where one is free: no
     two labels overlap (the layout is drawn first, so the positions are the saved figure's)."""
+    if not texts:  # nothing to move: a draw here would only repeat the one that saves the figure
+        return
     from matplotlib.text import Text
 
     for text in texts:
