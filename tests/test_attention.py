@@ -27,9 +27,11 @@ def test_pytorch_matches_reference(case):
 
 
 @settings(deadline=None)
-@given(case=cases(max_seq=48, dtypes=[torch.float32, torch.float16], head_dims=[16, 24, 40]))
+@given(case=cases(max_seq=48, dtypes=[torch.float32, torch.float16], head_dims=[16, 24, 40], heads=[None, 1, 2]))
 def test_triton_interpreter_matches_reference(flash_triton, case):
-    # The interpreter's bf16 tl.dot is wrong, so bf16 runs on the GPU only; seq 48 still spans several tiles.
+    # The interpreter's bf16 tl.dot is wrong, so bf16 runs on the GPU only; seq 48 still spans several tiles. It
+    # runs each program in Python, so two heads at most: heads and batches of unequal counts are left to
+    # test_attention_launch.py's launch orders.
     if torch.cuda.is_available():
         pytest.skip("with a GPU the Triton kernels are tested on it")
     check_against_reference(flash_triton.apply, case, torch.device("cpu"))
@@ -51,9 +53,9 @@ def test_online_softmax_under_extreme_logits(request, device, implementation, sc
     enough there to tell.)"""
     if implementation == "pytorch":  # 64-key tiles
         apply, case = FlashAttentionPytorch.apply, Case(2, 2, 150, 230, 32, is_causal, torch.float32, "sliced", 3)
-    else:  # 16-key forward tiles under the interpreter, kept short for it
+    else:  # 16-key forward tiles under the interpreter, kept short for it; three sequences keep the keys unsplit
         apply = request.getfixturevalue("flash_triton").apply
-        case = Case(2, 2, 40, 72, 24, is_causal, torch.float32, "sliced", 3)
+        case = Case(1, 3, 40, 56, 24, is_causal, torch.float32, "sliced", 3)
     check_against_reference(apply, replace(case, scores=scores), device)
 
 

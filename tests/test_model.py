@@ -219,10 +219,12 @@ def test_rope_scores_depend_only_on_relative_position():
 
 
 def test_loss_falls_when_overfitting_one_batch():
-    model = TransformerLM(get_config("tiny"))
+    # Tiny's model with a tenth of its vocabulary, whose LM head would take most of the time, and fewer steps: the
+    # loss crosses the bar about as late among them as tiny's does.
+    model = TransformerLM(get_config("tiny", vocab_size=1000))
     optimizer = AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
     tokens, targets = random_batch(model.config, 4, 32, torch.device("cpu"))
-    losses = [train_step(model, optimizer, tokens, targets, PRECISIONS["fp32"]).item() for _ in range(40)]
+    losses = [train_step(model, optimizer, tokens, targets, PRECISIONS["fp32"]).item() for _ in range(28)]
     assert losses[0] == pytest.approx(math.log(model.config.vocab_size), rel=0.2)
     assert losses[-1] < 0.3 * losses[0]
 
