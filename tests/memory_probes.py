@@ -1,9 +1,12 @@
 """Measurements of memory that the accounting's tests compare with: the bytes autograd saves, the peak the CPU
-allocator holds in tensors, and a phase's peak on a GPU."""
+allocator holds in tensors, a phase's peak on a GPU, and one rank of a process group alone in this process."""
 
+import contextlib
 import itertools
 
 import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import _create_work_from_future
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -199,3 +202,46 @@ def cuda_phase_peak(model, optimizer, tokens, targets, precision, phase: str) ->
     run()
     torch.cuda.synchronize(tokens.device)
     return resident, torch.cuda.max_memory_allocated(tokens.device)
+
+
+class _Alone(dist.ProcessGroup):
+    """One rank of a process group, the only one in this process: a collective moves nothing and, as gloo's and
+    NCCL's work does, holds its tensors until its work is dropped, so that this rank allocates and frees what it
+    would among the others. (Two names for each collective: torch 2.13's and earlier ones'.)"""
+
+    def broadcast(self, tensors, opts):
+        return _holding(*tensors)
+
+    def all_gather_single(self, output, input, opts):
+        return _holding(output, input)
+
+    def all_to_all_single(self, output, input, output_split_sizes, input_split_sizes, opts):
+        return _holding(output, input)
+
+    _allgather_base, alltoall_base = all_gather_single, all_to_all_single
+
+    def getBackendName(self):
+        return "alone"
+
+
+def _holding(*tensors):
+    done = torch.futures.Future()
+    done.set_result(list(tensors))
+    return _create_work_from_future(done)
+
+
+@contextlib.contextmanager
+def alone_as_rank(rank: int, world_size: int):
+    """This process as rank `rank` of a default process group of `world_size` (_Alone), with a rank's share of its
+    threads as systems.parallel.ranks gives its ranks: one rank's CPU allocations, without the others' processes,
+    nor gloo's threads freeing where the profiler does not see."""
+    dist.Backend.register_backend("alone", lambda store, rank, world_size, timeout: _Alone(rank, world_size),
+                                  devices=["cpu"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads // world_size))
+    dist.init_process_group("alone", store=dist.HashStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        torch.set_num_threads(threads)

@@ -8,7 +8,7 @@ import torch
 from torch.profiler import record_function
 from torch.utils.flop_counter import FlopCounterMode
 
-from covering import pairwise
+from covering import tiered
 from memory_probes import cpu_peak_bytes, cpu_peaks, cuda_phase_peak, saved_tensor_bytes, training_peaks
 from systems.accounting import (GB, TPU_V5P_BYTES, TPU_V5P_FLOPS, TPU_V5P_ICI_BANDWIDTH, XXL, BucketedAllReduce,
                                 FFNStack, activation_memory, count_matmul_parameters, count_parameters,
@@ -89,28 +89,27 @@ def test_flops_match_flop_counter(attention):
 # not depend on the shape.
 def saved_activation_cases() -> list:
     """Every attention, precision, depth and fused kernel on the GPU; on the CPU (the kernels under Triton's
-    interpreter) a covering array of them in the default tier, the whole grid in the slow tier."""
-    grid = (("naive", "sdpa", "flash"), ("fp32", "bf16", "bf16-weights"), (1, 3), ("none", "rmsnorm", "rope", "swiglu"))
-    covering = pairwise(*grid)
-    cases = []
-    for device, attentions in (("cpu", grid[0]), ("cuda", ("naive", "flash"))):
-        for attention, precision, num_layers, fused in itertools.product(attentions, *grid[1:]):
-            case = (attention, precision, num_layers, fused)
-            marks = [pytest.mark.gpu] if device == "cuda" else [] if case in covering else [pytest.mark.slow]
-            cases.append(pytest.param(attention, device, PRECISIONS[precision], num_layers, fused, marks=marks,
-                                      id=f"{fused}-{num_layers}-{precision}-{attention}-{device}"))
-    return cases
+    interpreter) a covering array of them in the default tier (tests/covering.py), the whole grid in the slow
+    tier."""
+    attentions, others = ("naive", "sdpa", "flash"), (("fp32", "bf16", "bf16-weights"), (1, 2),
+                                                      ("none", "rmsnorm", "rope", "swiglu"))
+    cpu = [(case, "cpu", marks) for case, marks in tiered(attentions, *others)]
+    gpu = [(case, "cuda", [pytest.mark.gpu]) for case in itertools.product(("naive", "flash"), *others)]
+    return [pytest.param(attention, device, PRECISIONS[precision], num_layers, fused, marks=marks,
+                         id=f"{fused}-{num_layers}-{precision}-{attention}-{device}")
+            for (attention, precision, num_layers, fused), device, marks in cpu + gpu]
 
 
 @pytest.mark.parametrize("attention, device, precision, num_layers, fused", saved_activation_cases())
 def test_saved_activations_match_autograd(attention, device, precision, num_layers, fused):
     """Also with each of the blocks' fused kernels, which keep less than the eager ops: on the GPU, and on CPU
-    tensors under Triton's interpreter (where there is no GPU)."""
+    tensors under Triton's interpreter (where there is no GPU). Few tokens for the interpreter, the batch and the
+    sequence each unlike any of the model's sizes."""
     if device == "cpu" and fused != "none" and not kernels_interpreted():
         pytest.skip("the fused kernels run on CPU tensors under Triton's interpreter only, off where there is a GPU")
     config = get_config("tiny", attention=attention, num_layers=num_layers, fused=fused)
     model = make_model(config, torch.device(device), precision)
-    batch_size, seq = 3, 48
+    batch_size, seq = 3, 12
     tokens, targets = (t.clone() for t in random_batch(config, batch_size, seq, torch.device(device)))
     predicted = activation_memory(config, batch_size, seq, precision, device=device)
     # Under autocast the saved tensors include the bf16 weight copies the matmuls keep.

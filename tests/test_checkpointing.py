@@ -24,6 +24,9 @@ CPU = torch.device("cpu")
 # Five blocks: segments of 2, 3 and 4 leave a shorter last one, 5 and 7 take them all in one; nested sizes
 # whose outer segments split unevenly too.
 LEVELS = [(1,), (2,), (3,), (4,), (5,), (7,), (3, 1), (4, 2), (5, 2)]
+# Tiny's blocks, five of them, and a vocabulary of a size no other of tiny's has, small, so that the work is the
+# blocks' (what checkpointing recomputes) rather than the LM head's and the loss's.
+FIVE_BLOCKS = get_config("tiny", num_layers=5, vocab_size=500)
 # Few, small blocks and a small vocabulary: the blocks' activations, not the logits, decide the peak.
 BLOCK_BOUND = TransformerConfig(d_model=64, d_ff=256, num_layers=6, num_heads=4, vocab_size=256, context_length=128)
 
@@ -53,7 +56,7 @@ def test_same_loss_and_gradients_as_without_checkpointing(levels, attention, pre
     deterministic, so every recomputed tensor is bit for bit the one the forward made; the backward then runs
     the same ops on them in the same order. Under bf16 autocast this also checks that the recomputation runs
     under the forward's autocast state (in fp32 it would give other gradients)."""
-    config = get_config("tiny", attention=attention, num_layers=5)
+    config = dataclasses.replace(FIVE_BLOCKS, attention=attention)
     model = make_model(config, CPU, precision)
     tokens, targets = random_batch(config, 3, 40, CPU)
     loss, grads = loss_and_grads(model, tokens, targets, precision)
@@ -97,7 +100,7 @@ def test_recomputation_runs_module_hooks_again():
 def test_saved_activations_match_autograd(levels, attention, precision):
     """Autograd keeps each outermost segment's input and nothing its blocks save (the saved-tensor hooks see
     the inputs, which checkpointing saves for the backward, and none of the tensors saved inside a segment)."""
-    config = get_config("tiny", attention=attention, num_layers=5, checkpoint=levels)
+    config = dataclasses.replace(FIVE_BLOCKS, attention=attention, checkpoint=levels)
     model = make_model(config, CPU, precision)
     batch_size, seq = 3, 48
     tokens, targets = (t.clone() for t in random_batch(config, batch_size, seq, CPU))
@@ -180,7 +183,7 @@ counted_flops_once = functools.cache(counted_flops)
 @pytest.mark.parametrize("levels", LEVELS, ids=levels_id)
 @pytest.mark.parametrize("attention", ["naive", "sdpa"])
 def test_recomputed_flops_match_flop_counter(levels, attention):
-    config = get_config("tiny", attention=attention, num_layers=5)
+    config = dataclasses.replace(FIVE_BLOCKS, attention=attention)
     batch_size, seq = 2, 32
     checkpointing = dataclasses.replace(config, checkpoint=levels)
     predicted = recomputed_flops(checkpointing, batch_size, seq)

@@ -11,7 +11,7 @@ import torch
 
 from memory_probes import saved_tensor_bytes, training_peaks
 from spawned_ranks import results_by_rank
-from test_checkpointing import (BLOCK_BOUND, CPU, counted_flops, counted_flops_once, linear_calls,
+from test_checkpointing import (BLOCK_BOUND, CPU, FIVE_BLOCKS, counted_flops, counted_flops_once, linear_calls,
                                 loss_and_grads)
 from systems.accounting import (activation_memory, checkpointed, kept_weight_copies, nested_checkpoint, peak_memory,
                                 recomputed_flops)
@@ -52,7 +52,7 @@ CASES = cases((SCHEMES, "sdpa", "fp32"), (SELECTIVE, "naive", "fp32"), (SELECTIV
 def test_same_loss_and_gradients_as_without_checkpointing(scheme, attention, precision):
     """Exactly equal, as the plain schemes are: what op-level selection keeps is the forward's own tensor, and what
     it recomputes runs the same CPU kernels on the same inputs (under autocast's state, restored)."""
-    config = get_config("tiny", attention=attention, num_layers=5)
+    config = dataclasses.replace(FIVE_BLOCKS, attention=attention)
     model = make_model(config, CPU, precision)
     tokens, targets = random_batch(config, 3, 40, CPU)
     loss, grads = loss_and_grads(model, tokens, targets, precision)
@@ -67,11 +67,13 @@ def test_the_fused_kernels_recompute_exactly():
     which the policy recomputes, giving the forward's values again."""
     pytest.importorskip("systems.kernels", reason="needs Triton")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where Triton runs: a GPU, else interpreted
-    config = get_config("tiny", num_layers=3, fused=Fused.ALL, loss_chunk=20, vocab_size=100)
+    # Small, for Triton's interpreter: one block recomputed, one left out; two chunks of the loss.
+    config = TransformerConfig(d_model=32, d_ff=64, num_layers=2, num_heads=2, vocab_size=100, context_length=16,
+                               fused=Fused.ALL, loss_chunk=8)
     model = make_model(config, device, PRECISIONS["fp32"])
-    tokens, targets = random_batch(config, 2, 12, device)
+    tokens, targets = random_batch(config, 2, 6, device)
     loss, grads = loss_and_grads(model, tokens, targets, PRECISIONS["fp32"])
-    model.config = scheme_config(config, "ops-keep1", 2, 12)
+    model.config = scheme_config(config, "ops-keep1", 2, 6)
     checkpointed_loss, checkpointed_grads = loss_and_grads(model, tokens, targets, PRECISIONS["fp32"])
     assert torch.equal(checkpointed_loss, loss)
     assert all(torch.equal(a, b) for a, b in zip(checkpointed_grads, grads, strict=True))
@@ -85,14 +87,15 @@ FSDP_RUNS = {"ops-block-prefetch2-fp32": ("ops", "block", 2, None),
 
 
 def sharded_steps(scheme: str, gather: str, prefetch: int, compute_dtype) -> list:
-    """Three steps' losses and gradients (no optimizer) of this rank's FSDP model under `scheme`."""
+    """Two steps' losses and gradients (no optimizer) of this rank's FSDP model under `scheme`: the second's
+    forward prefetches in the first's order."""
     torch.manual_seed(0)
     config = scheme_config(get_config("leaderboard-2026-tiny", context_length=32, loss_chunk=10), scheme, 2, 24)
     with torch.device(rank_device()):
         wrapped = FSDP(TransformerLM(config), compute_dtype=compute_dtype, gather=gather, prefetch=prefetch)
     data = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
     steps = []
-    for _ in range(3):
+    for _ in range(2):
         batch = torch.randint(config.vocab_size, (2, 25), generator=data).to(rank_device())
         loss = wrapped(batch[:, :-1], batch[:, 1:])
         loss.backward()
@@ -126,7 +129,7 @@ def test_recomputation_runs_the_hooks_of_the_checkpointed_blocks_only(scheme, re
     """A sharded layer all-gathers its weight in a forward pre-hook: a recomputed block runs it again (also where
     op-level selection takes the matmul's output from the forward: autograd's node still saves the weight); a block
     left out runs it once."""
-    calls = linear_calls(TransformerLM(scheme_config(get_config("tiny", num_layers=5), scheme)))
+    calls = linear_calls(TransformerLM(scheme_config(FIVE_BLOCKS, scheme)))
     block_of = {name: int(name.split(".")[1]) for name in calls if name.startswith("blocks.")}
     assert calls == {name: 2 if block_of.get(name) in recomputed else 1 for name in calls}
 
@@ -138,7 +141,7 @@ def test_saved_activations_match_autograd(scheme, attention, precision):
     """The checkpointed segments' inputs, and every tensor the blocks left out save, with their autocast weight
     copies. (What op-level selection keeps is no saved tensor of autograd's: the peaks below measure it.)"""
     batch_size, seq = 3, 48
-    config = scheme_config(get_config("tiny", attention=attention, num_layers=5), scheme, batch_size, seq, precision)
+    config = scheme_config(dataclasses.replace(FIVE_BLOCKS, attention=attention), scheme, batch_size, seq, precision)
     model = make_model(config, CPU, precision)
     tokens, targets = (t.clone() for t in random_batch(config, batch_size, seq, CPU))
     predicted = activation_memory(config, batch_size, seq, precision, device="cpu")
@@ -178,7 +181,7 @@ def test_held_in_backward_by_hand():
 def test_recomputed_flops_match_flop_counter(scheme, attention):
     """The blocks left out are not recomputed; under op-level selection the matmuls (ops) and SDPA's kernel (both)
     are not either. Written-out attention's matmuls are recomputed in both."""
-    config = get_config("tiny", attention=attention, num_layers=5)
+    config = dataclasses.replace(FIVE_BLOCKS, attention=attention)
     batch_size, seq = 2, 32
     resolved = scheme_config(config, scheme, batch_size, seq)
     predicted = recomputed_flops(resolved, batch_size, seq, device="cpu")
