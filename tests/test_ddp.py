@@ -167,7 +167,9 @@ def train_replicas() -> dict:
     return results
 
 
-trained = results_by_rank("trained", train_replicas, gloo_world_sizes=(2, 4), timeout=240)
+# By default 4 ranks: a divisor other than 2, and exact in binary, as bf16's tolerance assumes (3 would round each
+# gradient once more); 2, as NCCL runs, in the slow tier.
+trained = results_by_rank("trained", train_replicas, gloo_world_sizes=(4,), slow_gloo_world_sizes=(2,), timeout=240)
 
 
 @pytest.mark.parametrize("optimizer_name, precision", RUNS, ids=["-".join(run) for run in RUNS])

@@ -19,11 +19,12 @@ import torch.distributed as dist
 from systems.accounting import count_parameters
 from systems.parallel.spec import Schedule, TrainSpec
 from systems.parallel.train import PHASES, train
-from systems.parallel.ranks import RankFailed, RankPool, RankPools, RankTimeout, launch, rank_device
+from systems.parallel.ranks import (RankFailed, RankPool, RankPools, RankTimeout, _rank_context, launch,
+                                    rank_device)
 from systems.model import get_config
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-HANG_TIMEOUT = 5.0
+HANG_TIMEOUT = 2.0  # seconds a call with a hung rank waits: ample for the other rank of a started pool to finish
 # A dead rank must fail the call long before this deadline: the harness waits its 1 s REPORT_GRACE, then
 # up to 5 s for the survivors to take SIGTERM; 30 s leaves room for a loaded 2-core machine.
 DEATH_TIMEOUT, PROMPT = 300.0, 30.0
@@ -83,31 +84,26 @@ def test_a_faulty_rank_fails_the_call_promptly_by_name_and_leaves_no_process(tmp
     assert "rank 0" not in str(raised.value)
 
 
-OWNER = """
-import os, time
-from systems.parallel.ranks import RankPool
-
-def pid():
-    return os.getpid()
-
-if __name__ == "__main__":
+def own_a_pool(channel) -> None:
+    """A pool's owner: it starts one, sends its ranks' pids down `channel` and waits to be killed."""
     pool = RankPool(2)
-    print(*pool.run(pid), flush=True)
+    channel.send([pid for _, pid in pool.run(rank_and_pid)])
     time.sleep(600)
-"""
 
 
-def test_a_killed_pools_owner_leaves_no_rank_behind(tmp_path):
-    """The ranks' parent is the fork server, which outlives a killed owner: they must leave by themselves."""
-    script = tmp_path / "owner.py"
-    script.write_text(OWNER)
-    owner = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=ROOT,
-                             env=dict(os.environ, PYTHONPATH=str(ROOT)))
+def test_a_killed_pools_owner_leaves_no_rank_behind():
+    """The ranks' parent is the fork server, which outlives a killed owner: they must leave by themselves. The owner
+    forks from this process's fork server, as a rank does (torch loaded), and starts a fork server of its own."""
+    context = _rank_context()
+    received, sent = context.Pipe(duplex=False)
+    owner = context.Process(target=own_a_pool, args=(sent,))
+    owner.start()
     try:
-        pids = [int(pid) for pid in owner.stdout.readline().split()]
+        assert received.poll(PROMPT), "the owner sent no pids"
+        pids = received.recv()
     finally:
         owner.kill()
-        owner.wait()
+        owner.join()
     assert len(pids) == 2
     deadline = time.monotonic() + PROMPT
     while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:

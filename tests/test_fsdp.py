@@ -15,10 +15,10 @@ the compute dtype), and a tolerance would only hide a wrong cast.
 Models: the project's TransformerLM (sizes not divisible by 3), and a toy built from its own classes named
 Linear and Embedding (not torch's), with an LM head tied to the embedding, a frozen layer, a bias and a
 LayerNorm that stay replicated, and a torch Linear whose bias is replicated too but computes with its sharded
-weight (cast to the compute dtype with it). One spawn per process group runs every model, precision and optimizer
-under warnings-as-errors and deterministic algorithms, and some of them again with deeper prefetching (more
-all-gathers in flight) or with a block's weights gathered and reduce-scattered at once (`gather="block"`),
-which must change when weights are gathered, never what is computed.
+weight (cast to the compute dtype with it). One spawn per process group runs the selected models, precisions and
+optimizers (by default every pair of them) under warnings-as-errors and deterministic algorithms, and some of them
+again with deeper prefetching (more all-gathers in flight) or with a block's weights gathered and reduce-scattered
+at once (`gather="block"`), which must change when weights are gathered, never what is computed.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -33,6 +34,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.func import functional_call
 
+from covering import tiered
 from fsdp_cases import (MODELS, PREFETCHES, ROWS_PER_RANK, SEED, SEQ, STEPS, TRANSFORMER, Embedding, Linear, ToyModel,
                         batches, build, loss_of, rows)
 from layout_reference import layout_mean
@@ -139,32 +141,19 @@ def train_sharded(model_name: str, precision: str, optimizer_name: str, prefetch
                                for g in wrapped._order]}
 
 
-TRAININGS = [(m, p, o) for m in MODELS for p in COMPUTE for o in OPTIMIZERS]
-
-
 # (model, precision, optimizer, prefetch, gather): every training at depth 1 a layer at a time, each model at
-# the deeper ones, and gathering blocks in every precision and with AdamW two blocks ahead.
-RUNS = ([(*training, 1, "layer") for training in TRAININGS]
-        + [(m, p, "sgd", k, "layer") for m in MODELS for p in ("fp32", "bf16") for k in PREFETCHES[1:]]
-        + [(m, p, "sgd", 1, "block") for m in MODELS for p in COMPUTE]
-        + [(m, "bf16", "adamw", 2, "block") for m in MODELS])
-
-
-def train_all() -> dict:
-    warnings.simplefilter("error")
-    torch.use_deterministic_algorithms(True)
-    world_size, device = dist.get_world_size(), rank_device()
-    results = {}
-    for run in RUNS:
-        results[run] = train_sharded(*run, device, world_size)
-    if dist.get_rank() == 0:  # what one process computes, whatever the prefetching
-        for training in TRAININGS:
-            initial, reference = train_one_process(*training, device, world_size)
-            results[training] = {"initial": initial, "reference": reference}
-    return results
-
-
-trained = results_by_rank("trained", train_all, gloo_world_sizes=(2, 3), timeout=600)
+# the deeper ones, and gathering blocks in every precision and with AdamW two blocks ahead; each with its tier's
+# marks: the depth-1 trainings and the deeper depths as pairwise covering arrays (tests/covering.py), the rest of
+# those grids in the slow tier.
+RUN_CASES = ([((*training, 1, "layer"), marks) for training, marks in tiered(MODELS, list(COMPUTE), OPTIMIZERS)]
+             + [((m, p, "sgd", k, "layer"), marks)
+                for (m, p, k), marks in tiered(MODELS, ("fp32", "bf16"), PREFETCHES[1:])]
+             + [((m, p, "sgd", 1, "block"), []) for m in MODELS for p in COMPUTE]
+             + [((m, "bf16", "adamw", 2, "block"), []) for m in MODELS])
+RUNS = [run for run, _ in RUN_CASES]
+# What the tests other than the comparisons with one process read: trained whatever is selected, in the default tier.
+READ = ([(m, p, "sgd", 1, "layer") for m in MODELS for p in ("fp32", "bf16")]
+        + [("transformer", "fp32", "adamw", 1, "layer")])
 
 
 def run_id(run: tuple) -> str:
@@ -172,7 +161,31 @@ def run_id(run: tuple) -> str:
     return "-".join(training) + f"-prefetch{prefetch}" + ("-block" if gather == "block" else "")
 
 
-@pytest.mark.parametrize("run", RUNS, ids=run_id)
+def run_params(keep: Callable[[tuple], bool] = lambda run: True) -> list:
+    return [pytest.param(run, marks=[] if run in READ else marks, id=run_id(run))
+            for run, marks in RUN_CASES if keep(run)]
+
+
+def train_all(selected: frozenset[tuple]) -> dict:
+    warnings.simplefilter("error")
+    torch.use_deterministic_algorithms(True)
+    world_size, device = dist.get_world_size(), rank_device()
+    runs = [run for run in RUNS if run in selected or run in READ]
+    results = {run: train_sharded(*run, device, world_size) for run in runs}
+    if dist.get_rank() == 0:  # what one process computes, whatever the prefetching
+        for training in dict.fromkeys(run[:3] for run in runs):
+            initial, reference = train_one_process(*training, device, world_size)
+            results[training] = {"initial": initial, "reference": reference}
+    return results
+
+
+# By default 3 ranks, which shard every weight unevenly and divide by other than 2; 2 ranks, as NCCL runs, in the
+# slow tier.
+trained = results_by_rank("trained", train_all, gloo_world_sizes=(3,), slow_gloo_world_sizes=(2,), timeout=600,
+                          selects="run")
+
+
+@pytest.mark.parametrize("run", run_params())
 def test_matches_one_process_exactly(trained, run):
     expected = trained[0][run[:3]]["reference"]
     for rank, result in enumerate(trained):
@@ -218,7 +231,7 @@ def test_each_rank_holds_its_share_of_every_sharded_weight(trained, model_name):
         assert sum(shares) == numel and max(shares) == math.ceil(numel / world_size), name
 
 
-@pytest.mark.parametrize("run", [run for run in RUNS if run[2] == "sgd"], ids=run_id)
+@pytest.mark.parametrize("run", run_params(lambda run: run[2] == "sgd"))
 def test_gathered_weights_alive_at_once_are_the_computing_layer_and_those_prefetched(trained, run):
     """At most `prefetch + 1` consecutive groups' weights beyond the shards (in the compute dtype, a weight
     two layers share once), exactly as many as the largest such window holds, and none outlives the step: a

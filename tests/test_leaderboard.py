@@ -15,7 +15,6 @@ from systems.leaderboard import (Reference, course_timing, forward_difference, f
                                  handout_inputs, handout_loss, handout_step, run_leaderboard)
 from systems.loss import LMHead
 from systems.model import TransformerLM, get_config
-from systems.parallel.ranks import launch
 from systems.precision import PRECISIONS
 
 STANDIN = Reference("reference_standin")
@@ -132,11 +131,10 @@ def test_the_mapping_names_every_parameter():
 
 
 @pytest.mark.parametrize("model", ["ours", "reference"])
-def test_the_harness_runs_on_two_ranks(model):
+def test_the_harness_runs_on_two_ranks(rank_pools, model):
     """Our model and the stand-in reference under our FSDP on 2 gloo ranks, bf16 compute, the handout's batch of 2."""
-    ranks = launch(run_leaderboard, 2, timeout=120,
-                   args=("ours" if model == "ours" else "reference", CONFIG, PRECISIONS["bf16"], 2, 5.0, 2.0,
-                         STANDIN))
+    ranks = rank_pools.run(2, "gloo", run_leaderboard, "ours" if model == "ours" else "reference", CONFIG,
+                           PRECISIONS["bf16"], 2, 5.0, 2.0, STANDIN, timeout=120)
     timings = [rank["timing"] for rank in ranks]
     assert {timing.timer for timing in timings} == {"do_bench's algorithm on the host clock"}
     assert len({len(timing.times_ms) for timing in timings}) == 1  # the ranks agreed on the step counts

@@ -1,8 +1,9 @@
 """The training loop over layouts (TrainSpec.layout): `train(spec)` with our FSDP over the world, our HSDP
 (FSDP over a Mesh) at 2 x 2 and at its DDP-like end 4 x 1, and torch's HSDP (TorchFSDP2 over a 2D mesh) at 2 x 2
 trains exactly like one process (tests/layout_reference.py): the same losses and gathered parameters, compared with ==
-and torch.equal in fp32. In the same ranks, bench_layouts' axis timer (systems.bench.axes) replays a step's
-collectives on each axis's own groups.
+and torch.equal in fp32 (over the world and at 4 x 1 in the slow tier: test_hsdp checks our FSDP exactly on those
+meshes, and test_fullstep over the world through `train`). In the same ranks, bench_layouts' axis timer
+(systems.bench.axes) replays a step's collectives on each axis's own groups.
 
 Why exact: under gloo our collectives sum in rank order (systems.parallel.collectives), which the reference
 reproduces, including the mean of the losses `train` reports; torch's FSDP2 at 2 x 2 sums two terms per group and
@@ -44,6 +45,8 @@ SPECS = {"fsdp-1x4": BASE,
          "hsdp-4x1": dataclasses.replace(BASE, variant="hsdp", layout="4x1"),
          "torch-hsdp-2x2": dataclasses.replace(BASE, variant="torch-hsdp", layout="2x2")}
 WORLD_SIZE = 4
+SLOW = ("fsdp-1x4", "hsdp-4x1")
+GUARDED = "hsdp-2x2"  # trained whatever is selected: test_training_moves_every_parameter and the replay read it
 
 
 def trained_parameters(model, step) -> dict:
@@ -52,8 +55,8 @@ def trained_parameters(model, step) -> dict:
 
 
 # The step's collectives of HSDP 2 x 2 replayed axis by axis (systems.bench.axes, bench_layouts' timer), in the
-# same ranks after training: each on its axis's group, of the step's sizes.
-AXIS_SPEC, AXIS_ROUNDS = SPECS["hsdp-2x2"], 2
+# same ranks after its training: each on its axis's group, of the step's sizes.
+AXIS_SPEC, AXIS_ROUNDS = SPECS[GUARDED], 2
 
 
 def replayed_axes(model, step) -> dict:
@@ -80,25 +83,32 @@ def replayed_axes(model, step) -> dict:
         return timer(model, step) | {"calls": calls, "schedule": collectives}
 
 
-def train_every_spec() -> dict:
-    results = {name: train(spec, SCHEDULE, trained_parameters) for name, spec in SPECS.items()}
-    results["axes"] = train(AXIS_SPEC, SCHEDULE, replayed_axes)
+def trained_and_replayed(model, step) -> dict:
+    """AXIS_SPEC's `then`: its parameters, whole, and the axis timer's replay."""
+    return trained_parameters(model, step) | {"axes": replayed_axes(model, step)}
+
+
+def train_every_spec(selected: frozenset[str]) -> dict:
+    specs = {name: spec for name, spec in SPECS.items() if name in selected or name == GUARDED}
+    results = {name: train(spec, SCHEDULE, trained_and_replayed if name == GUARDED else trained_parameters)
+               for name, spec in specs.items()}
     try:
         train(dataclasses.replace(BASE, variant="hsdp", layout="2x3"), SCHEDULE)
     except ValueError as error:  # raised on every rank before any collective: the group stays usable
         results["mismatch"] = str(error)
     if dist.get_rank() == 0:
-        for name, spec in SPECS.items():
+        for name, spec in specs.items():
             layout = spec.layout_for(WORLD_SIZE)
             results[name]["reference"] = train_one_process(spec, SCHEDULE, layout, torch.device("cpu"))
     return results
 
 
 trained = results_by_rank("trained", train_every_spec, gloo_world_sizes=(WORLD_SIZE,), timeout=600,
-                          nccl_world_sizes=())
+                          nccl_world_sizes=(), selects="name")
 
 
-@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("name", [pytest.param(name, marks=[pytest.mark.slow] if name in SLOW else [])
+                                  for name in SPECS])
 def test_every_layout_trains_exactly_like_one_process(trained, name):
     for rank, result in enumerate(trained):
         assert_trained_alike(result[name], trained[0][name]["reference"], f"rank {rank}")
@@ -106,7 +116,7 @@ def test_every_layout_trains_exactly_like_one_process(trained, name):
 
 def test_training_moves_every_parameter(trained):
     """Guards the comparisons against a run in which nothing trains."""
-    params = trained[0]["hsdp-2x2"]["params"]
+    params = trained[0][GUARDED]["params"]
     torch.manual_seed(BASE.seed)
     initial = make_model(BASE.config(), torch.device("cpu"), PRECISIONS["fp32"])
     assert all(not torch.equal(params[name], p.detach()) for name, p in initial.named_parameters())
@@ -118,7 +128,7 @@ def test_each_axis_replays_the_steps_collectives_on_its_own_groups(trained):
     for each axis."""
     layout = AXIS_SPEC.layout_for(WORLD_SIZE)
     for rank, result in enumerate(trained):
-        replayed = result["axes"]
+        replayed = result[GUARDED]["axes"]
         group = {axis: next(g for g in layout.groups((axis,)) if rank in g) for axis in ("shard", "replicate")}
         expected = [(c.kind, group[axis], c.numel) for axis in ("shard", "replicate")
                     for _ in range(1 + AXIS_ROUNDS) for c in replayed["schedule"] if c.axis == axis]
