@@ -58,9 +58,17 @@ def model_key(point: ModelPoint) -> tuple:
     return point.preset, point.edition, point.attention, point.compile, point.precision.weights
 
 
+def unit_key(point: ModelPoint) -> tuple:
+    """The points that run together under `pytest -n`: one model at one context. A whole model would be too coarse:
+    the largest one's points alone outlast a quarter of the grid, so four workers would wait for it; a worker
+    builds the model again for each of its units, a fraction of a second beside a unit's seconds."""
+    return *model_key(point), point.context
+
+
 def on_model_worker(point: ModelPoint):
-    """The point as a parameter whose model's points run on one worker under `pytest -n`: built once there."""
-    group = "model:" + "-".join(str(part).removeprefix("torch.") for part in model_key(point))
+    """The point as a parameter whose unit's points run on one worker under `pytest -n`, the model built once for
+    them (serially, once for all its contexts)."""
+    group = "model:" + "-".join(str(part).removeprefix("torch.") for part in unit_key(point))
     return pytest.param(point, id=str(point), marks=pytest.mark.xdist_group(group))
 
 
@@ -153,7 +161,8 @@ def run_phase(benchmark, model, point: ModelPoint, device, grid) -> ModelMeasure
 def test_warmup_study(benchmark, warmup_point, device, grid, skip_on_oom):
     """The same forward+backward timed after 0, 1, 2 and 5 warm-up steps, each on a fresh model.
 
-    This runs first in the module, so warm-up 0 also pays for the process's first CUDA calls.
+    Serially this runs first in the module, so warm-up 0 also pays for the process's first CUDA calls; under
+    `pytest -n` its points, the shortest, come last, after their worker's first calls.
     """
     point = warmup_point
     benchmark.group = "warmup-study"

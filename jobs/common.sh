@@ -11,23 +11,38 @@ run() {  # run NAME LIMIT COMMAND...: within LIMIT seconds (then interrupted: a 
     echo "$name: exit $?, $(( $(date +%s) - start )) s: $(tail -1 "$LOGS/$name.log")"
 }
 
-model_grid() {  # model_grid serial|n4 LIMIT: the 100-point model grid, saved as one history named by its mode
-    run "grid-$1" "$2" python -m pytest $([ "$1" = n4 ] && echo "-n 4") benches/bench_model.py \
+model_grid() {  # model_grid MODE LIMIT: the 100-point model grid, under -n 4 for MODE n4, else serially (serial,
+    # serial2: a second for the noise floor), saved as one history named by MODE.
+    # The serial run records each point's seconds in pytest's cache (save_grid_durations); the n4 run reads no cache,
+    # so it hands out its units by the committed systems/bench/durations.json, as a fresh clone does.
+    local mode=()
+    [ "$1" = n4 ] && mode=(-n 4 -p no:cacheprovider)
+    run "grid-$1" "$2" python -m pytest "${mode[@]}" benches/bench_model.py \
         -k "test_model or test_warmup" --presets tiny,small,medium,large,xl,2.7b --contexts 256,512,1024,2048 \
-        --precisions bf16 --warmup-steps 2 --rounds 5 -p no:cacheprovider -q --benchmark-autosave \
-        --benchmark-save="$KIND-model-grid-$1"
+        --precisions bf16 --warmup-steps 2 --rounds 5 -q --benchmark-autosave --benchmark-save="$KIND-model-grid-$1"
 }
 
-compare_grids() {  # the n4 grid's per-point medians over the serial grid's, as a distribution
-    KIND=$KIND python - <<'PY'
-import glob, json, os, statistics
-kind = os.environ["KIND"]
+save_grid_durations() {  # the serial grid's seconds into systems/bench/durations.json, to commit
+    python -m systems.bench.schedule --save benches/bench_model.py
+    python -m systems.bench.schedule -n 4  # the wall time of 4 workers, predicted from them
+}
+
+compare_grids() {  # compare_grids BASE OTHER: OTHER's per-point medians over BASE's, as distributions (all points, and
+    # those of 10 ms or more, which the target counts), and the points furthest off among the latter
+    KIND=$KIND python - "$1" "$2" <<'PY'
+import glob, json, os, statistics, sys
+kind, base, other = os.environ["KIND"], sys.argv[1], sys.argv[2]
 runs = {mode: json.load(open(sorted(glob.glob(f".benchmarks/*/*{kind}-model-grid-{mode}.json"))[-1]))
-        for mode in ("serial", "n4")}
+        for mode in (base, other)}
 medians = {mode: {b["fullname"]: b["stats"]["median"] for b in run["benchmarks"]} for mode, run in runs.items()}
-ratios = sorted(medians["n4"][name] / medians["serial"][name] for name in medians["serial"] if name in medians["n4"])
-print(f"{len(ratios)} points in both; n4/serial medians: min {ratios[0]:.3f}, 10% {ratios[len(ratios)//10]:.3f}, "
-      f"median {statistics.median(ratios):.3f}, 90% {ratios[9*len(ratios)//10]:.3f}, max {ratios[-1]:.3f}; "
-      f"within 3%: {sum(abs(r - 1) <= 0.03 for r in ratios)}")
+ratios = {name: medians[other][name] / medians[base][name] for name in medians[base] if name in medians[other]}
+for label, chosen in ("", ratios), (" of 10 ms or more", {name: ratio for name, ratio in ratios.items()
+                                                          if medians[base][name] >= 0.010}):
+    r = sorted(chosen.values())
+    print(f"{len(r)} points{label} in both; {other}/{base} medians: min {r[0]:.3f}, 10% {r[len(r)//10]:.3f}, "
+          f"median {statistics.median(r):.3f}, 90% {r[9*len(r)//10]:.3f}, max {r[-1]:.3f}; "
+          f"within 3%: {sum(abs(x - 1) <= 0.03 for x in r)}")
+for name, ratio in sorted(chosen.items(), key=lambda pair: -abs(pair[1] - 1))[:8]:
+    print(f"  {ratio:.3f} {name.split('[')[-1].rstrip(']')} ({medians[base][name] * 1e3:.1f} ms)")
 PY
 }

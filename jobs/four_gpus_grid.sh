@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issues "Many GPUs for real", "Trust" and "Performance" on a 4-GPU host, one part at a time: the fused kernels' and
 # regional compilation's tests on the GPUs; the gate's error rates on one GPU; a 100-point GPU benchmark grid
-# serially and under -n 4 in the same job, each saved as one history, each point's median compared.
+# serially and under -n 4 in the same job, each saved as one history, each point's median compared, and the serial
+# run's seconds per point saved for the scheduler (durations.json under $OUT, to commit).
 # Usage: bash jobs/four_gpus_grid.sh COMMIT   (the commit the copied tree is; logs and histories under $OUT)
 set -u
 export NCCL_NVLS_ENABLE=0 PYTHONPATH=. PYTHONUNBUFFERED=1 SYSTEMS_LAB_COMMIT=$1
@@ -15,6 +16,8 @@ CUDA_VISIBLE_DEVICES=0 run gate-rates 120 python -m systems.bench.gate_rates sim
 cat "$LOGS/gate-rates.log"
 model_grid serial 160
 model_grid n4 80
+grep -A5 "= workers =" "$LOGS/grid-n4.log"
 cp .benchmarks/*/*"$KIND"-model-grid-*.json "$OUT/"
-compare_grids
+compare_grids serial n4
+save_grid_durations && cp systems/bench/durations.json "$OUT/"
 tar -czf "$OUT/logs.tgz" -C "$LOGS" .

@@ -2,12 +2,17 @@
 run alone.
 
 A unit is an xdist group (`pytest.mark.xdist_group`: the tests of one spawned process group, the benchmark points of
-one model), which one worker runs whole, or else one item. The workers order the items by their units' seconds as
-earlier runs recorded them in pytest's cache, longest first, an ungrouped item's unit there being its module (so a
-module's items stay together); where nothing is recorded (a fresh clone), units holding a slow test come first.
-`UnitScheduling` hands the units out in that order (xdist's own `loadgroup` orders groups by their number of tests,
-and pytest 9 drops the node ids it marks). `python -m systems.bench.schedule -n 8` predicts a run's wall time from
-the recorded seconds.
+one model at one context), which one worker runs whole, or else one item. The workers order the items by their
+units' seconds as earlier runs recorded them, longest first, an ungrouped item's unit there being its module (so a
+module's items stay together); where nothing is recorded, units holding a slow test come first. Recorded means in
+pytest's cache, else in the committed `durations.json` beside this module: what a run on a GPU host recorded, for a
+fresh clone and for runs without the cache (the GPU jobs' grids), which would otherwise hand out their longest
+units last. `UnitScheduling` hands the units out in that order (xdist's own `loadgroup` orders groups by their
+number of tests, and pytest 9 drops the node ids it marks). Under xdist the summary shows each worker's items,
+busy seconds and span, so that a run's start-up and idle ends show.
+
+`python -m systems.bench.schedule -n 8` predicts a run's wall time from the recorded seconds; `--save PATH...`
+copies the cache's seconds of the items under those paths into the committed file.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import heapq
 import json
 import os
 import sys
+import time
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
@@ -24,6 +30,7 @@ from pathlib import Path
 from xdist.scheduler import LoadScopeScheduling
 
 CACHE_KEY = "systems-lab/durations"  # {node id: [seconds, the unit UnitScheduling hands it out in]}
+COMMITTED = Path(__file__).with_name("durations.json")  # the same, as `--save` copied it from a run's cache
 GROUPS = "groups-*.json"  # in the workers' shared folder, one per worker: {node id: xdist group}
 
 
@@ -80,30 +87,49 @@ class UnitScheduling(LoadScopeScheduling):
         return self.groups.get(nodeid, nodeid)
 
 
-def recorded(config) -> dict[str, list]:
-    """{node id: [seconds, unit]} as earlier runs recorded them; empty under -p no:cacheprovider."""
+def cached(config) -> dict[str, list]:
+    """{node id: [seconds, unit]} as this checkout's earlier runs recorded them; empty under -p no:cacheprovider."""
     cache = getattr(config, "cache", None)
     return cache.get(CACHE_KEY, {}) if cache is not None else {}
 
 
+def committed() -> dict[str, list]:
+    """{node id: [seconds, unit]} as the committed file holds them; empty where there is none."""
+    return json.loads(COMMITTED.read_text()) if COMMITTED.exists() else {}
+
+
 def seconds_by_item(config) -> dict[str, float]:
-    return {nodeid: seconds for nodeid, (seconds, _) in recorded(config).items()}
+    """Each item's recorded seconds: this checkout's cache, else the committed file."""
+    return {nodeid: seconds for nodeid, (seconds, _) in {**committed(), **cached(config)}.items()}
 
 
 class Durations:
     """Records each item's seconds (setup, call and teardown) and unit into pytest's cache at the end of a run:
-    a serial run, or xdist's controller, which hears every worker's reports and reads their groups."""
+    a serial run, or xdist's controller, which hears every worker's reports and reads their groups. Under xdist,
+    also each worker's items, from the reports' clocks."""
 
     def __init__(self, config, groups: Callable[[], dict[str, str]]):
         self.config, self.groups = config, groups  # the workers' groups, under xdist
         self.seconds: dict[str, float] = defaultdict(float)
         self.units: dict[str, str] = {}
+        self.started = time.time()  # the run's start, on the clock of the reports' start and stop
+        self.workers: dict[str, WorkerSpan] = {}
 
     def pytest_collection_modifyitems(self, items) -> None:  # serial runs only: a controller collects nothing
         self.units = {item.nodeid: group_of(item) or item.nodeid for item in items}
 
     def pytest_runtest_logreport(self, report) -> None:
         self.seconds[report.nodeid] += report.duration
+        node = getattr(report, "node", None)  # the worker that ran it, under xdist
+        if node is not None:
+            span = self.workers.setdefault(node.gateway.id, WorkerSpan(report.start, report.stop))
+            span.add(report)
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.workers:
+            terminalreporter.section("workers")
+            for worker, span in sorted(self.workers.items(), key=lambda pair: int(pair[0].removeprefix("gw"))):
+                terminalreporter.line(f"{worker}: {span.describe(self.started)}")
 
     def pytest_sessionfinish(self) -> None:
         cache = getattr(self.config, "cache", None)
@@ -111,8 +137,25 @@ class Durations:
             return
         groups = self.groups()
         units = {nodeid: self.units.get(nodeid) or groups.get(nodeid) or nodeid for nodeid in self.seconds}
-        cache.set(CACHE_KEY, {**recorded(self.config),
+        cache.set(CACHE_KEY, {**cached(self.config),
                               **{nodeid: [seconds, units[nodeid]] for nodeid, seconds in self.seconds.items()}})
+
+
+class WorkerSpan:
+    """What one worker ran: its items, their seconds, and when its first began and its last ended."""
+
+    def __init__(self, start: float, stop: float):
+        self.items, self.busy, self.start, self.stop = set(), 0.0, start, stop
+
+    def add(self, report) -> None:
+        self.items.add(report.nodeid)
+        self.busy += report.duration
+        self.start, self.stop = min(self.start, report.start), max(self.stop, report.stop)
+
+    def describe(self, started: float) -> str:
+        """Its span in seconds from `started` (the run's start): the worker's start-up before it, idle after."""
+        return (f"{len(self.items)} items, {self.busy:.1f} s busy, from {self.start - started:.1f} s "
+                f"to {self.stop - started:.1f} s")
 
 
 def predict(seconds: list[float], workers: int) -> float:
@@ -124,17 +167,35 @@ def predict(seconds: list[float], workers: int) -> float:
     return max(free)
 
 
+def save(cache: dict[str, list], paths: list[str]) -> int:
+    """Copy the cache's seconds of the items under `paths` (node id prefixes) into the committed file, over what
+    it held for them; the number copied."""
+    chosen = {nodeid: [round(seconds, 2), unit] for nodeid, (seconds, unit) in cache.items()
+              if nodeid.startswith(tuple(paths))}
+    merged = sorted({**committed(), **chosen}.items())
+    lines = [f"{json.dumps(nodeid)}: {json.dumps(entry)}" for nodeid, entry in merged]
+    COMMITTED.write_text("{\n" + ",\n".join(lines) + "\n}\n")  # an item a line: diffs show what changed
+    return len(chosen)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m systems.bench.schedule", description=__doc__.splitlines()[0])
-    parser.add_argument("-n", type=int, required=True, help="workers")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("-n", type=int, help="predict the wall time of this many workers")
+    what.add_argument("--save", nargs="+", metavar="PATH", help=f"copy the cache's seconds of the items under "
+                      f"these paths (node id prefixes: benches/bench_model.py) into {COMMITTED.name}")
     parser.add_argument("--cache", type=Path, default=Path(".pytest_cache"), help="pytest's cache folder")
     args = parser.parse_args(argv)
     path = args.cache / "v" / CACHE_KEY
-    if not path.exists():
-        print(f"schedule: no durations recorded in {path}; run pytest once first", file=sys.stderr)
+    cache = json.loads(path.read_text()) if path.exists() else {}
+    if args.save:
+        print(f"schedule: {save(cache, args.save)} items' seconds from {path} saved in {COMMITTED}")
+        return 0
+    if not cache and not COMMITTED.exists():
+        print(f"schedule: no durations recorded in {path} nor {COMMITTED}; run pytest once first", file=sys.stderr)
         return 2
     units = defaultdict(float)
-    for duration, unit in json.loads(path.read_text()).values():
+    for duration, unit in {**committed(), **cache}.values():
         units[unit] += duration
     wall = predict(sorted(units.values(), reverse=True), args.n)
     print(f"{len(units)} units, {sum(units.values()):.0f} s of items: predicted wall time on {args.n} workers "
