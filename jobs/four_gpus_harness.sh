@@ -14,5 +14,7 @@ for run in $(seq "$RUNS"); do
         --junitxml="$OUT/$name.xml" > "$OUT/$name.log" 2>&1
     echo "$name: exit $?, $(( $(date +%s) - start )) s: $(grep -E "passed|failed" "$OUT/$name.log" | tail -1)"
     grep -E "^FAILED|^ERROR" "$OUT/$name.log" | head -20
+    grep -A4 "= workers =" "$OUT/$name.log" | tail -4
 done
-python -m systems.bench.schedule -n 8 | tee $OUT/predicted_n8.txt
+cp .pytest_cache/v/systems-lab/durations "$OUT/durations_cache.json"  # each item's seconds, for schedule --save
+python -m systems.bench.schedule -n 8 tests/ | tee $OUT/predicted_n8.txt

@@ -65,6 +65,9 @@ def test_save_copies_the_cached_seconds_of_the_items_under_the_paths(tmp_path, m
                            "benches/b.py::q": [2.0, "g"]}
     assert schedule.main(["-n", "2", "--cache", str(tmp_path / "none")]) == 0  # predicted from the committed file
     assert "2 units, 12 s of items: predicted wall time on 2 workers 9 s" in capsys.readouterr().out
+    assert schedule.main(["-n", "2", "--cache", str(tmp_path / "none"), "benches/b.py::q", "benches/b.py::o"]) == 0
+    assert "2 units, 11 s of items: predicted wall time on 2 workers 9 s" in capsys.readouterr().out  # q, old
+    assert schedule.main(["-n", "2", "--cache", str(tmp_path / "none"), "tests/"]) == 2
 
 
 def job_grid() -> list[str]:

@@ -185,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
     what.add_argument("--save", nargs="+", metavar="PATH", help=f"copy the cache's seconds of the items under "
                       f"these paths (node id prefixes: benches/bench_model.py) into {COMMITTED.name}")
     parser.add_argument("--cache", type=Path, default=Path(".pytest_cache"), help="pytest's cache folder")
+    parser.add_argument("paths", nargs="*", metavar="PATH", help="with -n, only the items under these paths "
+                        "(node id prefixes: tests/); default every item recorded")
     args = parser.parse_args(argv)
     path = args.cache / "v" / CACHE_KEY
     cache = json.loads(path.read_text()) if path.exists() else {}
@@ -195,8 +197,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"schedule: no durations recorded in {path} nor {COMMITTED}; run pytest once first", file=sys.stderr)
         return 2
     units = defaultdict(float)
-    for duration, unit in {**committed(), **cache}.values():
-        units[unit] += duration
+    for nodeid, (duration, unit) in {**committed(), **cache}.items():
+        if nodeid.startswith(tuple(args.paths or [""])):
+            units[unit] += duration
+    if not units:
+        print(f"schedule: no item recorded under {' '.join(args.paths)}", file=sys.stderr)
+        return 2
     wall = predict(sorted(units.values(), reverse=True), args.n)
     print(f"{len(units)} units, {sum(units.values()):.0f} s of items: predicted wall time on {args.n} workers "
           f"{wall:.0f} s (the longest unit {max(units.values()):.0f} s); items only: not start-up, collection or "
