@@ -38,9 +38,26 @@ def test_triton_interpreter_matches_reference(flash_triton, case):
 
 
 @pytest.mark.gpu
+@pytest.mark.slow
 @settings(deadline=None)
 @given(case=cases(max_seq=700, dtypes=DTYPES))
 def test_triton_matches_reference_on_gpu(flash_triton, case):
+    # Nearly every example is a compile of each kernel (for its dtype, head dim, causality and the classes of its
+    # lengths and strides), a few seconds each: the default tier's sibling is the next test.
+    check_against_reference(flash_triton.apply, case, torch.device("cuda"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    Case(2, None, 300, 177, 40, True, torch.bfloat16, "transposed", 21, "mixed"),
+    Case(1, 3, 129, 650, 128, False, torch.float16, "sliced", 22, "negative"),
+    Case(2, 1, 1, 1, 64, True, torch.float32, "contiguous", 23),
+    Case(1, 2, 160, 96, 16, True, torch.bfloat16, "contiguous", 24, "growing"),
+], ids=str)
+def test_triton_matches_reference_on_gpu_cases(flash_triton, case):
+    """The fuzz's values, each in a case, at four compiles: every dtype (bf16 runs on the GPU only), head dims
+    padded (40) and not, each layout, (batch, seq, d) and 1 to 3 heads, causal and not, lengths of one, multiples
+    of 16 and others, more queries than keys and fewer, and the logits' spreads (fp32's in the next test)."""
     check_against_reference(flash_triton.apply, case, torch.device("cuda"))
 
 
@@ -59,7 +76,10 @@ def test_online_softmax_under_extreme_logits(request, device, implementation, sc
     check_against_reference(apply, replace(case, scores=scores), device)
 
 
+# From 2048 keys the kernels time their candidate tiles, a compile each: the default tier's siblings are the cases
+# above, test_attention_launch.py's tile search and its split keys.
 @pytest.mark.gpu
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [
     Case(1, None, 16384, 16384, 64, True, torch.bfloat16, "contiguous", 0),
     Case(1, 2, 4097, 6001, 80, False, torch.float16, "transposed", 1),

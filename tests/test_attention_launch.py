@@ -3,6 +3,7 @@ orders, and what it refuses; each checked against attention written out in float
 
 from __future__ import annotations
 
+import math
 import os
 import pathlib
 import subprocess
@@ -136,6 +137,9 @@ def test_triton_splits_the_keys_when_the_grid_is_too_small(flash_triton, device,
             return merge[grid]
 
     monkeypatch.setattr(triton_launch, "fwd_merge_kernel", MergeSpy())
+    # One tile, as below TUNE_FROM_SEQ: the keys reach it on a GPU, where timing the candidate tiles would compile
+    # each (test_triton_times_the_candidate_tiles_once_per_shape checks that search).
+    monkeypatch.setattr(triton_launch, "TUNE_FROM_SEQ", math.inf)
     interpreted = triton_launch.interpreted()
     min_keys = triton_launch.INTERPRETED_MIN_KEYS_PER_SPLIT if interpreted else triton_launch.MIN_KEYS_PER_SPLIT
     n_keys = 4 * min_keys + 5
