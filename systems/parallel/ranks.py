@@ -256,6 +256,7 @@ class _Inherited:
 def _serve(rank, world_size, backend, store_path, timeout, threads, jobs, results, environ, inherited) -> None:
     """The body of one rank: take its starter's environment and output, leave when its starter ends, join the
     group, then run jobs until told to stop."""
+    gc.freeze()  # what the server loaded lives as long as the rank: the collection after each job passes it by
     os.environ.clear()
     os.environ.update(environ)
     out, err, lifeline = inherited
