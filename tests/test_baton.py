@@ -68,3 +68,21 @@ def test_each_warm_up_and_timed_round_passes_the_baton_first(monkeypatch):
     time_on_device(Benchmark(), lambda: recorder.events.append("round"), device=torch.device("cpu"), warmup=2,
                    rounds=3)
     assert recorder.events == ["pass", "round"] * 5
+
+
+def test_a_run_lets_the_baton_go_when_its_tests_end(inner_pytest, monkeypatch):
+    """Before it saves its history and exits: the other run's last rounds need not wait for those."""
+    inner_pytest.makeconftest("""
+from systems.bench import baton
+
+def pytest_sessionfinish(session):
+    print("holding at the end:", baton._baton is not None)
+""")
+    inner_pytest.makepyfile(test_one="def test_one(): pass")
+    ours, theirs = baton.pair()
+    for fd in theirs:  # the other run has ended already: this one goes on alone
+        os.close(fd)
+    monkeypatch.setenv(baton.ENV, baton.env_value(ours, first=False))
+    result = inner_pytest.runpytest_inprocess("-p", "no:cacheprovider", "-s")
+    assert result.ret == 0 and "holding at the end: False" in result.stdout.str(), result.stdout.str()
+

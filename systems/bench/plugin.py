@@ -79,9 +79,13 @@ class Leases:
                 return (yield)
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtestloop(session) -> None:
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtestloop(session):
     baton.begin_from_env()  # a turn's run that --benchmark-gate-against started: wait for the baton
+    try:
+        return (yield)
+    finally:
+        baton.end()  # the other run's last rounds need not wait for this run's history and exit
 
 
 def pytest_collection_modifyitems(config, items) -> None:
