@@ -5,10 +5,11 @@ A unit is an xdist group (`pytest.mark.xdist_group`: the tests of one spawned pr
 one model at one context), which one worker runs whole, or else one item. The workers order the items by their
 units' seconds as earlier runs recorded them, longest first, an ungrouped item's unit there being its module (so a
 module's items stay together); where nothing is recorded, units holding a slow test come first. Recorded means in
-pytest's cache, else in the committed `durations.json` beside this module: what a run on a GPU host recorded, for a
-fresh clone and for runs without the cache (the GPU jobs' grids), which would otherwise hand out their longest
-units last. `UnitScheduling` hands the units out in that order (xdist's own `loadgroup` orders groups by their
-number of tests, and pytest 9 drops the node ids it marks). Under xdist the summary shows each worker's items,
+pytest's cache, else in the committed `durations.json` beside this module (for the model grid: each point's
+warm-up and rounds at the medians of the serial grid's history 0082 on 4 x H200, until `--save` copies a run's
+seconds over them), for a fresh clone and for runs without the cache (the GPU jobs' grids), which would otherwise
+hand out their longest units last. `UnitScheduling` hands the units out in that order (xdist's own `loadgroup`
+orders groups by their number of tests, and pytest 9 drops the node ids it marks). Under xdist the summary shows each worker's items,
 busy seconds and span, so that a run's start-up and idle ends show.
 
 `python -m systems.bench.schedule -n 8` predicts a run's wall time from the recorded seconds; `--save PATH...`
