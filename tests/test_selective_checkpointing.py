@@ -12,7 +12,7 @@ import torch
 from memory_probes import saved_tensor_bytes, training_peaks
 from spawned_ranks import results_by_rank
 from test_checkpointing import (BLOCK_BOUND, CPU, FIVE_BLOCKS, counted_flops, counted_flops_once, linear_calls,
-                                loss_and_grads)
+                                loss_and_grads, without_checkpointing)
 from systems.accounting import (activation_memory, checkpointed, kept_weight_copies, nested_checkpoint, peak_memory,
                                 recomputed_flops)
 from systems.accounting.checkpointing import held_in_backward
@@ -52,11 +52,8 @@ CASES = cases((SCHEMES, "sdpa", "fp32"), (SELECTIVE, "naive", "fp32"), (SELECTIV
 def test_same_loss_and_gradients_as_without_checkpointing(scheme, attention, precision):
     """Exactly equal, as the plain schemes are: what op-level selection keeps is the forward's own tensor, and what
     it recomputes runs the same CPU kernels on the same inputs (under autocast's state, restored)."""
-    config = dataclasses.replace(FIVE_BLOCKS, attention=attention)
-    model = make_model(config, CPU, precision)
-    tokens, targets = random_batch(config, 3, 40, CPU)
-    loss, grads = loss_and_grads(model, tokens, targets, precision)
-    model.config = scheme_config(config, scheme, 3, 40, precision)
+    model, tokens, targets, loss, grads = without_checkpointing(attention, precision)
+    model.config = scheme_config(model.config, scheme, *tokens.shape, precision)
     checkpointed_loss, checkpointed_grads = loss_and_grads(model, tokens, targets, precision)
     assert torch.equal(checkpointed_loss, loss)
     assert all(torch.equal(a, b) for a, b in zip(checkpointed_grads, grads, strict=True))
