@@ -12,7 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from systems.bench import schedule
-from systems.bench.schedule import CACHE_KEY, committed, longest_first, predict, seconds_by_item, unit_of
+from systems.bench.leases import lease_size
+from systems.bench.schedule import (CACHE_KEY, EVERY_GPU, committed, hold_every_gpu_together, longest_first, predict,
+                                     seconds_by_item, unit_of)
 
 ROOT = Path(__file__).parents[1]
 
@@ -96,6 +98,31 @@ def test_the_gpu_jobs_model_grid_spreads_evenly_over_four_workers_by_the_committ
         work[unit_of(item)] += seconds[item.nodeid][0]
     # Within 10% of an even share: these units give 1.01 of it; one a model, 1.27 (the largest model alone).
     assert predict(sorted(work.values(), reverse=True), workers=4) <= 1.1 * sum(work.values()) / 4
+
+
+def test_items_that_hold_every_gpu_are_one_unit(inner_pytest):
+    """On a host of 4 GPUs: the items holding all four become one unit, also one of a spawned group of its own; an
+    item holding two, one, or none keeps its unit."""
+    items = inner_pytest.getitems("""
+import pytest
+
+@pytest.mark.multigpu(4)
+@pytest.mark.parametrize("group", [pytest.param(1, marks=pytest.mark.xdist_group("ranks:nccl-4")), 2])
+def test_four(group): pass
+
+@pytest.mark.multigpu(2)
+def test_two(): pass
+
+@pytest.mark.gpu
+def test_one(): pass
+
+def test_none(): pass
+""")
+    hold_every_gpu_together(items, lambda item: lease_size(item, 4) == 4)
+    module = items[0].nodeid.split("::")[0]
+    units = {item.name: unit_of(item) for item in items}
+    assert units == {"test_four[1]": EVERY_GPU, "test_four[2]": EVERY_GPU, "test_two": module, "test_one": module,
+                     "test_none": module}
 
 
 def test_predicted_wall_time_gives_each_unit_to_the_first_free_worker():

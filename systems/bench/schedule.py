@@ -28,6 +28,7 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from xdist.scheduler import LoadScopeScheduling
 
 CACHE_KEY = "systems-lab/durations"  # {node id: [seconds, the unit UnitScheduling hands it out in]}
@@ -40,6 +41,18 @@ def group_of(item) -> str | None:
     if marker is None:
         return None
     return str(marker.args[0] if marker.args else marker.kwargs.get("name", "default"))
+
+
+EVERY_GPU = "every-gpu"  # the unit of the items that hold all of a host's GPUs
+
+
+def hold_every_gpu_together(items: list, holds_every_gpu: Callable[[object], bool]) -> None:
+    """Make the items that hold every GPU of the host one unit, run back to back by one worker: handed out to
+    several workers (they are among the longest), each would wait in its lease for the others', idle where it
+    could run what needs no GPU."""
+    for item in items:
+        if holds_every_gpu(item):
+            item.add_marker(pytest.mark.xdist_group(EVERY_GPU), append=False)  # over a spawned group's own
 
 
 def unit_of(item) -> str:

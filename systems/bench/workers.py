@@ -19,6 +19,7 @@ from pytest_benchmark.stats import Metadata
 from pytest_benchmark.utils import safe_dumps
 
 from systems.bench import schedule
+from systems.bench.leases import lease_size
 from systems.bench.oom import OUT_OF_MEMORY
 
 # A worker's workeroutput: its benchmarks, its out-of-memory points, and whether it stopped early.
@@ -44,6 +45,8 @@ class Worker:
         worker = self.config.workerinput["workerid"]
         if any("benchmark" in getattr(item, "fixturenames", ()) for item in items):
             (self.shared / f"benchmarks-{worker}").touch()
+        if self.gpus > 1:
+            schedule.hold_every_gpu_together(items, lambda item: lease_size(item, self.gpus) == self.gpus)
         schedule.write_groups(self.shared, worker, items)
 
     def pytest_sessionstart(self, session) -> None:
