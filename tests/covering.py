@@ -29,5 +29,13 @@ def tiered(*dimensions: tuple) -> list[tuple[tuple, list]]:
     return [(case, [] if case in covering else [pytest.mark.slow]) for case in itertools.product(*dimensions)]
 
 
+def tiered_as(grid: list[tuple], default: list[tuple]) -> list[tuple[tuple, list]]:
+    """As `tiered`, with the default tier's cases picked by hand (e.g. so that they share compiles) from `grid`:
+    checked here to meet every pair of values that two dimensions take together in the grid."""
+    missed = {pair for case in grid for pair in _pairs(case)} - {pair for case in default for pair in _pairs(case)}
+    assert set(default) <= set(grid) and not missed, f"the default cases miss {sorted(missed, key=str)}"
+    return [(case, [] if case in default else [pytest.mark.slow]) for case in grid]
+
+
 def _pairs(case: tuple) -> frozenset:
     return frozenset(((i, case[i]), (j, case[j])) for i, j in itertools.combinations(range(len(case)), 2))

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from attention_cases import Case, check_against_reference
+from covering import tiered_as
 from systems.attention import BACKENDS
 
 pytest.importorskip("triton.experimental.gluon", reason="needs Triton with Gluon")
@@ -35,19 +36,6 @@ def length_class(n: int) -> str:
     return "one" if n == 1 else "multiple of 16" if n % 16 == 0 else "other"
 
 
-def tiered_cases(grid: list[tuple], default: list[tuple]) -> list[tuple[tuple, list]]:
-    """Every case of `grid` with its marks: none in `default`, the slow tier's otherwise. `default` is picked so
-    that its cases share compiles; like covering.pairwise's cases, it must meet every pair of values that two
-    dimensions take together in the grid, which is checked here."""
-    missed = {pair for case in grid for pair in _pairs(case)} - {pair for case in default for pair in _pairs(case)}
-    assert set(default) <= set(grid) and not missed, f"the default cases miss {sorted(missed, key=str)}"
-    return [(case, [] if case in default else [pytest.mark.slow]) for case in grid]
-
-
-def _pairs(case: tuple) -> set:
-    return {((i, case[i]), (j, case[j])) for i, j in itertools.combinations(range(len(case)), 2)}
-
-
 def _causal_id(is_causal: bool) -> str:
     return "causal" if is_causal else "full"
 
@@ -56,7 +44,7 @@ def _reference_params() -> list:
     """(seq, d, is_causal, dtype): the grid of SEQ_LENS tiered by COMBINATIONS, and LONG_SEQ's in the slow tier."""
     dimensions = (SEQ_LENS, (64, 128), (False, True), (torch.bfloat16, torch.float16))
     default = [(seq, *combination) for seq in SEQ_LENS for combination in COMBINATIONS[length_class(seq)]]
-    cases = tiered_cases(list(itertools.product(*dimensions)), default)
+    cases = tiered_as(list(itertools.product(*dimensions)), default)
     cases += [(case, [pytest.mark.slow]) for case in itertools.product([LONG_SEQ], *dimensions[1:])]
     return [pytest.param(*case, marks=marks, id=f"{case[0]}-{case[1]}-{_causal_id(case[2])}-{case[3]}")
             for case, marks in cases]
@@ -100,7 +88,7 @@ def _tile_variant_params() -> list:
                (64, 64, 4, False), (128, 64, 4, True)]
     return [pytest.param(*case, marks=marks, id="-".join(map(str, case[:3])) + ("-p_in_smem" if case[3] else
                                                                                  "-p_in_registers"))
-            for case, marks in tiered_cases(grid, default)]
+            for case, marks in tiered_as(grid, default)]
 
 
 @pytest.mark.gpu
@@ -174,7 +162,7 @@ def _backward_tile_params() -> list:
     default = [(127, 64, 64, 2, False), (1000, 64, 64, 3, False), (127, 64, 128, 2, False), (1000, 64, 128, 2, True),
                (1000, 128, 64, 2, False), (127, 128, 64, 3, True)]
     return [pytest.param(*case, marks=marks, id="-".join(map(str, case[:4])) + f"-{_causal_id(case[4])}")
-            for case, marks in tiered_cases(grid, default)]
+            for case, marks in tiered_as(grid, default)]
 
 
 @pytest.mark.gpu

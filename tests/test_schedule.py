@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from systems.bench import schedule
-from systems.bench.leases import lease_size
-from systems.bench.schedule import (CACHE_KEY, EVERY_GPU, committed, hold_every_gpu_together, longest_first, predict,
+from systems.bench.schedule import (CACHE_KEY, EVERY_GPU, committed, longest_first, predict, read_groups,
                                      seconds_by_item, unit_of)
+from systems.bench.workers import Worker
 
 ROOT = Path(__file__).parents[1]
 
@@ -100,9 +100,10 @@ def test_the_gpu_jobs_model_grid_spreads_evenly_over_four_workers_by_the_committ
     assert predict(sorted(work.values(), reverse=True), workers=4) <= 1.1 * sum(work.values()) / 4
 
 
-def test_items_that_hold_every_gpu_are_one_unit(inner_pytest):
-    """On a host of 4 GPUs: the items holding all four become one unit, also one of a spawned group of its own; an
-    item holding two, one, or none keeps its unit."""
+@pytest.mark.parametrize("gpus", [4, 0])
+def test_items_that_hold_every_gpu_are_one_unit(inner_pytest, tmp_path, gpus):
+    """What a worker tells the controller on a host of 4 GPUs: the items holding all four are one unit, also one of
+    a spawned group of its own; an item holding two, one, or none keeps its unit. Without GPUs, nothing changes."""
     items = inner_pytest.getitems("""
 import pytest
 
@@ -118,11 +119,15 @@ def test_one(): pass
 
 def test_none(): pass
 """)
-    hold_every_gpu_together(items, lambda item: lease_size(item, 4) == 4)
+    config = SimpleNamespace(option=SimpleNamespace(basetemp=str(tmp_path / "gw0")), workerinput={"workerid": "gw0"})
+    worker = Worker(config, gpus)
+    worker.pytest_collection_modifyitems(items)
+    groups = {nodeid.split("::")[-1]: group for nodeid, group in read_groups(worker.shared).items()}
+    assert groups == ({"test_four[1]": EVERY_GPU, "test_four[2]": EVERY_GPU} if gpus else
+                      {"test_four[1]": "ranks:nccl-4"})
     module = items[0].nodeid.split("::")[0]
-    units = {item.name: unit_of(item) for item in items}
-    assert units == {"test_four[1]": EVERY_GPU, "test_four[2]": EVERY_GPU, "test_two": module, "test_one": module,
-                     "test_none": module}
+    assert {item.name: unit_of(item) for item in items if item.name not in groups} == dict.fromkeys(
+        ["test_two", "test_one", "test_none"] + ([] if gpus else ["test_four[2]"]), module)
 
 
 def test_predicted_wall_time_gives_each_unit_to_the_first_free_worker():

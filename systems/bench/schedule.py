@@ -2,15 +2,16 @@
 run alone.
 
 A unit is an xdist group (`pytest.mark.xdist_group`: the tests of one spawned process group, the benchmark points of
-one model at one context), which one worker runs whole, or else one item. The workers order the items by their
-units' seconds as earlier runs recorded them, longest first, an ungrouped item's unit there being its module (so a
-module's items stay together); where nothing is recorded, units holding a slow test come first. Recorded means in
-pytest's cache, else in the committed `durations.json` beside this module (for the model grid: each point's
-warm-up and rounds at the medians of the serial grid's history 0082 on 4 x H200, until `--save` copies a run's
-seconds over them), for a fresh clone and for runs without the cache (the GPU jobs' grids), which would otherwise
-hand out their longest units last. `UnitScheduling` hands the units out in that order (xdist's own `loadgroup`
-orders groups by their number of tests, and pytest 9 drops the node ids it marks). Under xdist the summary shows each worker's items,
-busy seconds and span, so that a run's start-up and idle ends show.
+one model at one context; on a host of several GPUs, the items that hold them all), which one worker runs whole, or
+else one item. The workers order the items by their units' seconds as earlier runs recorded them, longest first, an
+ungrouped item's unit there being its module (so a module's items stay together); where nothing is recorded, units
+holding a slow test come first. Recorded means in pytest's cache, else in the committed `durations.json` beside this
+module (for the model grid: each point's warm-up and rounds at the medians of the serial grid's history 0082 on 4 x
+H200, until `--save` copies a run's seconds over them), for a fresh clone and for runs without the cache (the GPU
+jobs' grids), which would otherwise hand out their longest units last. `UnitScheduling` hands the units out in that
+order (xdist's own `loadgroup` orders groups by their number of tests, and pytest 9 drops the node ids it marks).
+Under xdist the summary shows each worker's items, busy seconds and span, so that a run's start-up and idle ends
+show.
 
 `python -m systems.bench.schedule -n 8` predicts a run's wall time from the recorded seconds; `--save PATH...`
 copies the cache's seconds of the items under those paths into the committed file.
@@ -112,9 +113,13 @@ def committed() -> dict[str, list]:
     return json.loads(COMMITTED.read_text()) if COMMITTED.exists() else {}
 
 
+def recorded(cache: dict[str, list]) -> dict[str, list]:
+    """{node id: [seconds, unit]}: this checkout's cache, else the committed file."""
+    return {**committed(), **cache}
+
+
 def seconds_by_item(config) -> dict[str, float]:
-    """Each item's recorded seconds: this checkout's cache, else the committed file."""
-    return {nodeid: seconds for nodeid, (seconds, _) in {**committed(), **cached(config)}.items()}
+    return {nodeid: seconds for nodeid, (seconds, _) in recorded(cached(config)).items()}
 
 
 class Durations:
@@ -211,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"schedule: no durations recorded in {path} nor {COMMITTED}; run pytest once first", file=sys.stderr)
         return 2
     units = defaultdict(float)
-    for nodeid, (duration, unit) in {**committed(), **cache}.items():
+    for nodeid, (duration, unit) in recorded(cache).items():
         if nodeid.startswith(tuple(args.paths or [""])):
             units[unit] += duration
     if not units:
